@@ -1,0 +1,98 @@
+"""Test and task sessions for the nvfp4 monorepo.
+
+Each package session installs ONLY that package and its declared dependencies into a fresh
+virtualenv and runs its tests: that is what proves the packages compose. `nox` alone runs every
+default session (the README's test command); `nox -s demo` runs the main job.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.sessions = [
+    "lint",
+    "format",
+    "format_jax",
+    "ops",
+    "train",
+    "export",
+    "integration",
+]
+
+FORMAT = "./packages/nvfp4-format"
+OPS = "./packages/nvfp4-ops"
+TRAIN = "./packages/nvfp4-train"
+EXPORT = "./packages/nvfp4-export"
+
+
+def _pytest(session: nox.Session, path: str) -> None:
+    session.run("python", "-m", "pytest", "-q", path, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def format(session: nox.Session) -> None:  # noqa: A001 - the package is called format
+    """nvfp4-format alone: NumPy and ml_dtypes only, no JAX."""
+    session.install(f"{FORMAT}[test]")
+    session.run("python", "-c", "import importlib.util as u; assert u.find_spec('jax') is None")
+    _pytest(session, "packages/nvfp4-format/tests")
+
+
+@nox.session
+def format_jax(session: nox.Session) -> None:
+    """nvfp4-format with JAX installed: the same tests plus the jit legs."""
+    session.install(f"{FORMAT}[test,jax]")
+    _pytest(session, "packages/nvfp4-format/tests")
+
+
+@nox.session
+def ops(session: nox.Session) -> None:
+    """nvfp4-ops with its declared dependencies (nvfp4-format, jax)."""
+    session.install(FORMAT, f"{OPS}[test]")
+    _pytest(session, "packages/nvfp4-ops/tests")
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """nvfp4-train with its declared dependencies."""
+    session.install(FORMAT, OPS, f"{TRAIN}[test]")
+    _pytest(session, "packages/nvfp4-train/tests")
+
+
+@nox.session
+def export(session: nox.Session) -> None:
+    """nvfp4-export with its declared dependencies (never nvfp4-train or nvfp4-ops)."""
+    session.install(FORMAT, f"{EXPORT}[test]")
+    _pytest(session, "packages/nvfp4-export/tests")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests: every package installed together."""
+    session.install(
+        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test]", f"{EXPORT}[test]"
+    )
+    _pytest(session, "integration_tests")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a short NVFP4 pretraining run of the built-in tiny default."""
+    session.install(FORMAT, OPS, TRAIN)
+    session.run("nvfp4-train", "run", "examples/configs/tiny.yaml", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not in the default test run): tables on stdout, JSON under docs/benchmarks/."""
+    session.install(f"{FORMAT}[jax]", f"{OPS}[test]")
+    session.run("python", "packages/nvfp4-format/benchmarks/bench_quantize.py", *session.posargs)

@@ -1,0 +1,3 @@
+"""nvfp4_export (under construction)."""
+
+__all__: list[str] = []

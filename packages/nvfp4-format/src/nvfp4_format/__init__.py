@@ -1,0 +1,3 @@
+"""nvfp4_format (under construction)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""nvfp4_ops (under construction)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""nvfp4_train (under construction)."""
+
+__all__: list[str] = []
