@@ -1,3 +1,48 @@
-"""nvfp4_format (under construction)."""
+"""nvfp4_format: the NVFP4 and MXFP4 bit formats, for NumPy and (when installed) JAX arrays.
 
-__all__: list[str] = []
+Example:
+  >>> import numpy as np, nvfp4_format as nf
+  >>> x = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
+  >>> q = nf.quantize(x)
+  >>> q.packed.shape, q.block_scales.shape
+  ((4, 32), (4, 4))
+  >>> float(np.abs(nf.dequantize(q) - x).max()) < 0.5
+  True
+"""
+
+from nvfp4_format.e2m1 import E2M1_MAX, E2M1_VALUES, decode_e2m1, encode_e2m1
+from nvfp4_format.mxfp4 import MXFP4Array, dequantize_mxfp4, quantize_mxfp4
+from nvfp4_format.nvfp4 import (
+    E4M3_MAX,
+    NVFP4Array,
+    dequantize,
+    global_decode_scale,
+    global_encode_scale,
+    has_nonfinite,
+    quantize,
+)
+from nvfp4_format.packing import pack_fp4, unpack_fp4
+from nvfp4_format.swizzle import swizzle_scales, unswizzle_scales
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "MXFP4Array",
+    "NVFP4Array",
+    "decode_e2m1",
+    "dequantize",
+    "dequantize_mxfp4",
+    "encode_e2m1",
+    "global_decode_scale",
+    "global_encode_scale",
+    "has_nonfinite",
+    "pack_fp4",
+    "quantize",
+    "quantize_mxfp4",
+    "swizzle_scales",
+    "unpack_fp4",
+    "unswizzle_scales",
+]

@@ -1,0 +1,86 @@
+"""Array-namespace dispatch: one implementation for NumPy arrays and JAX arrays.
+
+The namespace is taken from the input. JAX is never imported here: an array can only be a JAX array
+if the caller already imported JAX, so `sys.modules` tells.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+FLOAT_DTYPES = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(ml_dtypes.bfloat16),
+)
+
+
+def is_jax_array(x: Any) -> bool:
+    """True for `jax.Array` values, tracers inside `jax.jit` included."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def namespace(*arrays: Any) -> ModuleType:
+    """`jax.numpy` if any argument is a JAX array, else `numpy`."""
+    if any(is_jax_array(a) for a in arrays):
+        return sys.modules["jax.numpy"]
+    return np
+
+
+def asarray(xp: ModuleType, x: Any, dtype: Any = None) -> Any:
+    """`xp.asarray` that leaves JAX arrays (and tracers) in JAX."""
+    return xp.asarray(x, dtype=dtype)
+
+
+def check_float(name: str, x: Any) -> None:
+    """Raise TypeError unless `x` has a floating dtype (f16, bf16, f32, f64)."""
+    dtype = np.dtype(x.dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64), "
+            f"got dtype={dtype}"
+        )
+
+
+def check_finite(name: str, x: Any) -> None:
+    """Raise ValueError if a NumPy array holds NaN or Inf (JAX arrays are not checked here).
+
+    JAX values cannot raise inside `jit`; callers mark their results instead (a NaN global scale).
+    """
+    if is_jax_array(x):
+        return
+    finite = np.isfinite(np.asarray(x, dtype=np.float32))
+    if not finite.all():
+        bad = np.argwhere(~finite)
+        first = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{name} contains {len(bad)} non-finite value(s) (NaN or Inf), first at index {first}; "
+            "NVFP4 has no encoding for them"
+        )
+
+
+def check_uniform(name: str, uniform: Any, shape: tuple[int, ...]) -> None:
+    """Validate the caller-supplied uniform random numbers for stochastic rounding."""
+    if uniform is None:
+        raise ValueError(
+            f"rounding='stochastic' needs {name}: uniform random numbers in [0, 1) of shape {shape} "
+            "(e.g. jax.random.uniform(key, shape) or numpy Generator.random(shape))"
+        )
+    if tuple(uniform.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(uniform.shape)}")
+    if not is_jax_array(uniform):
+        u = np.asarray(uniform)
+        if u.size and (not np.isfinite(u).all() or u.min() < 0 or u.max() >= 1):
+            raise ValueError(f"{name} must lie in [0, 1), got values in [{u.min()}, {u.max()}]")
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ("rne", "stochastic"):
+        raise ValueError(f"rounding must be 'rne' or 'stochastic', got {rounding!r}")

@@ -1,0 +1,122 @@
+"""MXFP4 (OCP Microscaling v1.0): E2M1 elements in 32-element blocks with an E8M0 power-of-two scale.
+
+No tensor scale; 4.25 bits per element. Two rules choose a block's exponent e (scale 2^e):
+
+- "ocp": e = floor(log2(amax_block)) - 2, the OCP spec's rule (the block max may clip at 6).
+- "ceil": e = ceil(log2(amax_block / 6)), NVIDIA's rule: the smallest e with 6 * 2^e >= amax_block,
+  computed exactly, so nothing clips.
+
+e is clamped to the E8M0 range [-127, 127]; an all-zero block gets e = -127 (byte 0). Scales are
+stored as E8M0 bytes, e + 127 (compressed-tensors' `weight_scale` layout); byte 255 is NaN and marks
+a block with non-finite input on the JAX path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from nvfp4_format._namespace import (
+    check_finite,
+    check_float,
+    check_rounding,
+    check_uniform,
+    namespace,
+)
+from nvfp4_format._pytree import register_dataclass
+from nvfp4_format.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
+from nvfp4_format.packing import pack_fp4, unpack_fp4
+
+MX_BLOCK_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+SCALE_RULES = ("ocp", "ceil")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MXFP4Array:
+    """An MXFP4-quantized tensor. Blocks of 32 run along the last axis.
+
+    Attributes:
+      packed: uint8 [..., K/2], two E2M1 codes per byte (even index in the low nibble).
+      scales: uint8 [..., K/32], E8M0 biased exponents: the block scale is 2^(byte - 127).
+      shape: the logical shape [..., K].
+      scale_rule: "ocp" or "ceil", the rule that chose the exponents.
+    """
+
+    packed: Any
+    scales: Any
+    shape: tuple[int, ...]
+    scale_rule: str = "ocp"
+
+    def codes(self) -> Any:
+        """The unpacked uint8 E2M1 codes [..., K]."""
+        return unpack_fp4(self.packed)
+
+
+register_dataclass(MXFP4Array, ["packed", "scales"], ["shape", "scale_rule"])
+
+
+def quantize_mxfp4(
+    x: Any, scale_rule: str = "ocp", *, rounding: str = "rne", uniform: Any = None
+) -> MXFP4Array:
+    """Quantize `x` [..., K] (K % 32 == 0) to MXFP4 with blocks of 32 along the last axis.
+
+    Example:
+      >>> q = quantize_mxfp4(np.full(32, 3.0, np.float32))
+      >>> int(q.scales[0]) - 127, dequantize_mxfp4(q)[:2]
+      (-1, array([3., 3.], dtype=float32))
+    """
+    xp = namespace(x, uniform)
+    check_float("x", x)
+    check_rounding(rounding)
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if x.ndim < 1 or x.shape[-1] % MX_BLOCK_SIZE:
+        raise ValueError(
+            f"x's last dimension K must be a multiple of 32 for MXFP4 blocks, got shape {tuple(x.shape)}"
+        )
+    check_finite("x", x)
+    if rounding == "stochastic":
+        check_uniform("uniform", uniform, tuple(x.shape))
+    x32 = xp.asarray(x, dtype=xp.float32)
+    blocks = x32.reshape(*x32.shape[:-1], -1, MX_BLOCK_SIZE)
+    amax = xp.max(xp.abs(blocks), axis=-1)
+    exponent = _block_exponent(xp, amax, scale_rule)
+    scaled = xp.clip(xp.ldexp(blocks, -exponent[..., None]), -E2M1_MAX, E2M1_MAX)
+    codes = encode_e2m1(scaled.reshape(x32.shape), rounding=rounding, uniform=uniform)
+    scales = xp.where(xp.isfinite(amax), exponent + E8M0_BIAS, E8M0_NAN).astype(xp.uint8)
+    return MXFP4Array(pack_fp4(codes), scales, tuple(x.shape), scale_rule)
+
+
+def dequantize_mxfp4(a: MXFP4Array, dtype: Any = np.float32) -> Any:
+    """Decode an `MXFP4Array`: e2m1_value * 2^(scale byte - 127), then cast (byte 255 -> NaN)."""
+    if not isinstance(a, MXFP4Array):
+        raise TypeError(f"a must be an MXFP4Array, got {type(a).__name__}")
+    xp = namespace(a.packed, a.scales)
+    values = decode_e2m1(unpack_fp4(a.packed))
+    blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK_SIZE)
+    exponent = a.scales.astype(xp.int32) - E8M0_BIAS
+    out = xp.ldexp(blocks, exponent[..., None])
+    out = xp.where((a.scales == E8M0_NAN)[..., None], xp.float32(np.nan), out)
+    return out.reshape(a.shape).astype(dtype)
+
+
+def _block_exponent(xp: Any, amax: Any, scale_rule: str) -> Any:
+    """int32 block exponents, clamped to [-127, 127]; -127 for all-zero (or non-finite) blocks."""
+    usable = (amax > 0) & xp.isfinite(amax)
+    safe = xp.where(usable, amax, xp.float32(1.0))
+    _, e = xp.frexp(safe)  # safe = m * 2^e with m in [0.5, 1): floor(log2(safe)) = e - 1
+    floor_log2 = e.astype(xp.int32) - 1
+    if scale_rule == "ocp":
+        exponent = floor_log2 - 2
+    else:
+        # Smallest k with 6 * 2^k >= amax: start from floor(log2(amax / 6)) - 1 and step up.
+        k = floor_log2 - 3
+        for _ in range(3):
+            k = xp.where(xp.ldexp(xp.float32(E2M1_MAX), k) < safe, k + 1, k)
+        exponent = k
+    exponent = xp.clip(exponent, -E8M0_BIAS, E8M0_BIAS)
+    return xp.where(usable, exponent, -E8M0_BIAS).astype(xp.int32)

@@ -1,0 +1,216 @@
+"""NVFP4: E2M1 elements in 16-element blocks, an E4M3 scale per block, an FP32 scale per tensor.
+
+The arithmetic follows the spec (and TransformerEngine's kernels) in float32, in this order:
+
+    amax  = max|x|                                  (or the caller's shared `global_amax`)
+    s_enc = min(6 * 448 / amax, FLT_MAX)            1.0 when amax == 0
+    s_dec = 1 / s_enc                               stored as `global_scale`
+    sb    = e4m3(clip(amax_block * (s_enc * (1/6)), 0, 448))      per-block decode scale
+    enc_b = min(1 / (float32(sb) * s_dec), FLT_MAX)
+    q     = e2m1(clip(x * enc_b, -6, 6))            RNE or stochastic
+    x'    = e2m1_value(q) * float32(sb) * s_dec
+
+One deliberate choice beyond the formulas: in a block whose scale `sb` is zero (an all-zero block, or
+one whose amax is below ~2.2e-6 of the tensor amax and flushes) every code is 0. The formulas alone
+would leave saturated codes there that decode to 0 anyway; zero codes say what the block holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from nvfp4_format._namespace import (
+    check_finite,
+    check_float,
+    check_rounding,
+    check_uniform,
+    is_jax_array,
+    namespace,
+)
+from nvfp4_format._pytree import register_dataclass
+from nvfp4_format.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
+from nvfp4_format.packing import pack_fp4, unpack_fp4
+
+E4M3_MAX = 448.0
+BLOCK_SIZE = 16
+FLT_MAX = float(np.finfo(np.float32).max)
+BLOCK_SHAPES = ((1, 16), (16, 16))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NVFP4Array:
+    """An NVFP4-quantized tensor. Blocks run along the last axis.
+
+    Attributes:
+      packed: uint8 [..., K/2], two E2M1 codes per byte (even index in the low nibble).
+      block_scales: float8_e4m3fn [..., K/16], per-block decode scales. For 16x16 tiles each tile's
+        scale is repeated over its 16 rows, which is the 1x16 layout servers load.
+      global_scale: float32 scalar, the tensor's DECODE scale 1 / s_enc (~ amax / (6 * 448)).
+        NaN marks a tensor quantized from non-finite input (JAX path).
+      shape: the logical shape [..., K].
+      block_shape: (1, 16) or (16, 16).
+    """
+
+    packed: Any
+    block_scales: Any
+    global_scale: Any
+    shape: tuple[int, ...]
+    block_shape: tuple[int, int] = (1, 16)
+
+    def codes(self) -> Any:
+        """The unpacked uint8 E2M1 codes [..., K]."""
+        return unpack_fp4(self.packed)
+
+    @property
+    def nbytes(self) -> int:
+        """Storage bytes: packed codes + block scales + the 4-byte global scale."""
+        return int(np.prod(self.packed.shape)) + int(np.prod(self.block_scales.shape)) + 4
+
+
+register_dataclass(NVFP4Array, ["packed", "block_scales", "global_scale"], ["shape", "block_shape"])
+
+
+def global_encode_scale(amax: Any) -> Any:
+    """s_enc = min(6 * 448 / amax, FLT_MAX) in float32; 1.0 where amax is 0 or not finite."""
+    xp = namespace(amax)
+    amax = xp.asarray(amax, dtype=xp.float32)
+    usable = (amax > 0) & xp.isfinite(amax)
+    safe = xp.where(usable, amax, xp.float32(1.0))
+    s_enc = xp.minimum(xp.float32(E2M1_MAX * E4M3_MAX) / safe, xp.float32(FLT_MAX))
+    return xp.where(usable, s_enc, xp.float32(1.0)).astype(xp.float32)
+
+
+def global_decode_scale(amax: Any) -> Any:
+    """s_dec = 1 / s_enc in float32 (the value stored as `NVFP4Array.global_scale`)."""
+    xp = namespace(amax)
+    return (xp.float32(1.0) / global_encode_scale(amax)).astype(xp.float32)
+
+
+def quantize(
+    x: Any,
+    block_shape: tuple[int, int] = (1, 16),
+    *,
+    global_amax: Any = None,
+    rounding: str = "rne",
+    uniform: Any = None,
+) -> NVFP4Array:
+    """Quantize `x` to NVFP4 with blocks along the last axis.
+
+    Args:
+      x: floating array [..., K] (K % 16 == 0); for (16, 16) at least 2-D with rows % 16 == 0.
+        NumPy or JAX (works inside `jax.jit`).
+      block_shape: (1, 16) blocks, or (16, 16) tiles over the last two axes (weights).
+      global_amax: the amax that sets the tensor scale; defaults to max|x|. Pass the max over a
+        group of tensors (fused q/k/v, gate/up) so they share one global scale.
+      rounding: "rne" or "stochastic" (gradients).
+      uniform: for "stochastic", uniform random numbers in [0, 1) with the shape of `x`.
+
+    Returns:
+      An `NVFP4Array`.
+
+    Raises:
+      TypeError: `x` is not floating.
+      ValueError: shapes that do not tile, NaN/Inf in NumPy input, bad `global_amax`, or
+        stochastic rounding without `uniform`. With JAX input non-finite values give a NaN
+        `global_scale` instead (jit cannot raise), so `dequantize` returns NaN, never a finite lie.
+
+    Example:
+      >>> q = quantize(np.linspace(-3, 3, 32, dtype=np.float32))
+      >>> q.packed.shape, q.block_scales.dtype
+      ((16,), dtype(float8_e4m3fn))
+    """
+    xp = namespace(x, global_amax, uniform)
+    check_float("x", x)
+    check_rounding(rounding)
+    block_shape = _check_block_shape(block_shape, tuple(x.shape))
+    check_finite("x", x)
+    if rounding == "stochastic":
+        check_uniform("uniform", uniform, tuple(x.shape))
+    x32 = xp.asarray(x, dtype=xp.float32)
+    amax = _tensor_amax(xp, x32, global_amax)
+    s_enc = global_encode_scale(amax)
+    s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
+    block_scales = _block_scales(xp, x32, s_enc, block_shape)
+    scaled = _scale_blocks(xp, x32, block_scales, s_dec)
+    codes = encode_e2m1(scaled, rounding=rounding, uniform=uniform)
+    global_scale = xp.where(xp.isfinite(amax), s_dec, xp.float32(np.nan)).astype(xp.float32)
+    return NVFP4Array(
+        packed=pack_fp4(codes),
+        block_scales=block_scales,
+        global_scale=global_scale,
+        shape=tuple(x.shape),
+        block_shape=block_shape,
+    )
+
+
+def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
+    """Decode an `NVFP4Array`: e2m1_value * float32(block scale) * global scale, then cast."""
+    if not isinstance(a, NVFP4Array):
+        raise TypeError(f"a must be an NVFP4Array, got {type(a).__name__}")
+    xp = namespace(a.packed, a.block_scales, a.global_scale)
+    values = decode_e2m1(unpack_fp4(a.packed))
+    blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
+    scales = xp.asarray(a.block_scales).astype(xp.float32)[..., None]
+    out = (blocks * scales) * xp.asarray(a.global_scale, dtype=xp.float32)
+    return out.reshape(a.shape).astype(dtype)
+
+
+def has_nonfinite(a: NVFP4Array) -> Any:
+    """True where the tensor was quantized from non-finite input (its global scale is NaN)."""
+    xp = namespace(a.global_scale)
+    return xp.isnan(xp.asarray(a.global_scale))
+
+
+def _check_block_shape(block_shape: Any, shape: tuple[int, ...]) -> tuple[int, int]:
+    block_shape = tuple(block_shape)
+    if block_shape not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be (1, 16) or (16, 16), got {block_shape}")
+    if len(shape) < 1 or shape[-1] % BLOCK_SIZE:
+        raise ValueError(
+            f"x's last dimension K must be a multiple of 16 for {block_shape[0]}x16 blocks, "
+            f"got shape {shape}"
+        )
+    if block_shape == (16, 16) and (len(shape) < 2 or shape[-2] % BLOCK_SIZE):
+        raise ValueError(
+            f"16x16 tiles need x with at least 2 dimensions and rows (x.shape[-2]) a multiple "
+            f"of 16, got shape {shape}"
+        )
+    return block_shape  # type: ignore[return-value]
+
+
+def _tensor_amax(xp: Any, x32: Any, global_amax: Any) -> Any:
+    if global_amax is None:
+        return xp.max(xp.abs(x32)) if x32.size else xp.float32(0.0)
+    amax = xp.asarray(global_amax, dtype=xp.float32)
+    if amax.ndim != 0:
+        raise ValueError(f"global_amax must be a scalar, got shape {tuple(amax.shape)}")
+    if not is_jax_array(amax) and not (np.isfinite(amax) and amax >= 0):
+        raise ValueError(f"global_amax must be finite and >= 0, got {float(amax)}")
+    return amax
+
+
+def _block_scales(xp: Any, x32: Any, s_enc: Any, block_shape: tuple[int, int]) -> Any:
+    """float8_e4m3fn decode scales [..., K/16] (16x16 tiles repeated over their rows)."""
+    *lead, k = x32.shape
+    if block_shape == (1, 16):
+        block_amax = xp.max(xp.abs(x32.reshape(*lead, k // 16, 16)), axis=-1)
+    else:
+        m = lead.pop()
+        tiles = xp.abs(x32.reshape(*lead, m // 16, 16, k // 16, 16))
+        block_amax = xp.repeat(xp.max(tiles, axis=(-3, -1)), 16, axis=-2)
+    per_block = block_amax * (s_enc * xp.float32(1.0 / 6.0))
+    return xp.clip(per_block, 0.0, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def _scale_blocks(xp: Any, x32: Any, block_scales: Any, s_dec: Any) -> Any:
+    """x * enc_b, clipped to [-6, 6]; zero in blocks whose scale is zero."""
+    sb = block_scales.astype(xp.float32)
+    enc = xp.minimum(xp.float32(1.0) / (sb * s_dec), xp.float32(FLT_MAX))
+    blocks = x32.reshape(*x32.shape[:-1], -1, BLOCK_SIZE)
+    scaled = xp.clip(blocks * enc[..., None], -E2M1_MAX, E2M1_MAX)
+    scaled = xp.where((sb == 0)[..., None], xp.float32(0.0), scaled)  # +0: no -0 codes either
+    return scaled.reshape(x32.shape)
