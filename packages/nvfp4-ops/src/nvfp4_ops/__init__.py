@@ -1,3 +1,31 @@
-"""nvfp4_ops (under construction)."""
+"""nvfp4_ops: the NVFP4 training recipe as a JAX `dot_general`.
 
-__all__: list[str] = []
+Three quantized GEMMs per linear layer (Fprop, Dgrad, Wgrad) with 16x16 weight tiles, the random
+Hadamard transform on the Wgrad operands and stochastic rounding of gradients, behind a drop-in
+replacement for `jax.lax.dot_general`; plus `hadamard_transform`, `fake_quantize` and the backend
+capability report used by `nvfp4-ops doctor`.
+"""
+
+from nvfp4_ops.backends import BACKENDS, auto_backend, backend_capabilities
+from nvfp4_ops.dot import dot_general
+from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
+from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
+from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
+
+__all__ = [
+    "BACKENDS",
+    "FORMATS",
+    "FP8Tensor",
+    "RECIPES",
+    "TE_SIGNS",
+    "Recipe",
+    "TensorQuant",
+    "auto_backend",
+    "backend_capabilities",
+    "dequantize_fp8",
+    "dot_general",
+    "get_recipe",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "quantize_fp8",
+]

@@ -1,0 +1,114 @@
+"""`dot_general`: a drop-in for `jax.lax.dot_general` running the NVFP4 training recipe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_ops.backends import resolve_backend
+from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
+from nvfp4_ops.qdot import GemmConfig, quantized_dot
+from nvfp4_ops.recipe import Recipe, get_recipe
+
+
+def _as_recipe(recipe: Recipe | str) -> Recipe:
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
+    return recipe
+
+
+def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
+    if key is None:
+        if recipe.needs_key:
+            raise ValueError(
+                f"recipe {recipe.name!r} uses stochastic rounding and needs a PRNG key, got key=None "
+                "(pass key=jax.random.key(...); there is no silent fallback to RNE)"
+            )
+        return None
+    if not isinstance(key, jax.Array):
+        raise TypeError(f"key must be a JAX PRNG key, got {type(key).__name__}")
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(key)
+    raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe | str,
+    key: jax.Array | None = None,
+    backend: str = "auto",
+    out_sharding=None,
+) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, ...)` with the recipe's quantized Fprop, Dgrad and Wgrad GEMMs.
+
+    `lhs` is the activation X and `rhs` the weight W (as `flax.nnx.Linear` calls it). Any layout
+    `lax.dot_general` accepts works, batch dimensions included; internally the operands become
+    [B, M, K] x [B, K, N], zero-padded to multiples of `recipe.alignment` (padding changes no
+    amax and no sum). Accumulation is FP32; the output has `preferred_element_type` or the
+    promoted input dtype, and the gradients the dtypes of `lhs` and `rhs`.
+
+    Args:
+      lhs, rhs, dimension_numbers: as `jax.lax.dot_general`.
+      precision: passed to `lax.dot_general` for an unquantized recipe; quantized GEMMs always
+        use FP32 products and accumulation.
+      preferred_element_type: output dtype.
+      recipe: a `Recipe` or a preset name ("nvfp4", ...). A recipe quantizing nothing ("bf16")
+        is exactly `lax.dot_general` with JAX's own gradients.
+      key: PRNG key for stochastic rounding; required when the recipe uses it (a ValueError
+        otherwise). Split per GEMM inside (see `nvfp4_ops.qdot`).
+      backend: "auto", "emulated", "xla" or "te" (see `backend_capabilities()`).
+      out_sharding: as `lax.dot_general` (for a quantized recipe applied as a sharding
+        constraint on the output).
+
+    Example:
+      >>> x, w = jnp.ones((4, 32)), jnp.ones((32, 16))
+      >>> y = dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4-no-sr")
+      >>> y.shape
+      (4, 16)
+    """
+    recipe = _as_recipe(recipe)
+    if not recipe.quantized:
+        return jax.lax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            out_sharding=out_sharding,
+        )
+    key = _as_key(key, recipe)
+    backend = resolve_backend(backend)
+    layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
+    out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    if backend == "te":
+        from nvfp4_ops.te_backend import te_dot  # lazy: TransformerEngine is optional
+
+        out = te_dot(lhs, rhs, layout, recipe, key, out_dtype)
+    else:
+        out = _canonical_dot(lhs, rhs, layout, recipe, key, backend, out_dtype)
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out
+
+
+def _canonical_dot(lhs, rhs, layout, recipe, key, backend, out_dtype) -> jax.Array:
+    b, m, k, n = layout.bmkn
+    a = recipe.alignment
+    cfg = GemmConfig(recipe, backend, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    with jax.named_scope(f"nvfp4/dot_general[{recipe.name}]"):
+        x, w = to_canonical(lhs, rhs, layout)
+        x, w = pad_to(x, (1, a, a)), pad_to(w, (1, a, a))
+        y = quantized_dot(x, w, key, cfg)
+        return from_canonical(y[:, :m, :n], layout)

@@ -1,0 +1,50 @@
+"""FP8 (E4M3 / E5M2) with per-tensor current scaling: the usual production baseline.
+
+Current scaling: amax of the tensor at hand, encode scale = fp8_max / amax (1 if amax is 0),
+data = cast(clip(x * scale, +-fp8_max)) with round-to-nearest-even, decode = data / scale.
+A non-finite input gives a NaN decode scale (never a silently finite result).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+class FP8Tensor(NamedTuple):
+    """data: float8 array; decode_scale: float32 scalar (value = data * decode_scale)."""
+
+    data: jax.Array
+    decode_scale: jax.Array
+
+
+def quantize_fp8(x: jax.Array, fmt: str = "fp8_e4m3") -> FP8Tensor:
+    """Quantize `x` to FP8 with a per-tensor current scale (see module docstring).
+
+    Example:
+      >>> t = quantize_fp8(jnp.array([1.0, -448.0, 3.0]))
+      >>> dequantize_fp8(t).tolist()
+      [1.0, -448.0, 3.0]
+    """
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"fmt must be one of {tuple(FP8_DTYPES)}, got {fmt!r}")
+    fmax = FP8_MAX[fmt]
+    with jax.named_scope(f"nvfp4/quantize_{fmt}"):
+        x32 = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+        safe = (amax > 0) & jnp.isfinite(amax)
+        encode = jnp.where(safe, jnp.float32(fmax) / jnp.where(safe, amax, 1.0), 1.0)
+        encode = jnp.minimum(encode, jnp.finfo(jnp.float32).max)
+        data = jnp.clip(x32 * encode, -fmax, fmax).astype(FP8_DTYPES[fmt])
+        decode = jnp.where(jnp.isfinite(amax), 1.0 / encode, jnp.nan).astype(jnp.float32)
+        return FP8Tensor(data, decode)
+
+
+def dequantize_fp8(t: FP8Tensor, dtype=jnp.float32) -> jax.Array:
+    """data * decode_scale, computed in float32 and cast to `dtype`."""
+    return (t.data.astype(jnp.float32) * t.decode_scale).astype(dtype)

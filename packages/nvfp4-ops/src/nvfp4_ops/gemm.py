@@ -1,0 +1,111 @@
+"""One quantized GEMM per backend: contract the LAST axis of two quantized operands.
+
+Operands are [B, P, C] and [B, Q, C] (C contracted), giving float32 [B, P, Q] (FP32 accumulation).
+`b_transposed=True` means the second operand is stored [B, C, Q] (a 16x16-tiled, per-tensor or
+unquantized weight reused in Dgrad); its values are used transposed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import nvfp4_format
+from nvfp4_ops.quantizers import dequantize_operand
+from nvfp4_ops.recipe import TensorQuant
+
+_LAST = (((2,), (2,)), ((0,), (0,)))
+
+
+def emulated_gemm(
+    qa: Any, ta: TensorQuant, qb: Any, tb: TensorQuant, *, b_transposed: bool = False
+) -> jax.Array:
+    """Reference: dequantize both operands to float32, then one FP32 `dot_general`.
+
+    Bit-exact with `dequantize(a) @ dequantize(b)` computed the same way.
+    """
+    with jax.named_scope("nvfp4/gemm_emulated"):
+        a = dequantize_operand(qa, ta, jnp.float32)
+        b = dequantize_operand(qb, tb, jnp.float32)
+        if b_transposed:
+            b = jnp.swapaxes(b, -1, -2)
+        return jax.lax.dot_general(
+            a, b, _LAST, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
+
+
+def _fp4_values(packed: jax.Array) -> jax.Array:
+    """Packed E2M1 bytes [..., C/2] -> float4_e2m1fn [..., C] (exact)."""
+    codes = nvfp4_format.unpack_fp4(packed)
+    return nvfp4_format.decode_e2m1(codes).astype(jnp.float4_e2m1fn)
+
+
+def _transpose_tiles(scales: jax.Array, tile: int) -> jax.Array:
+    """Tile scales [B, Q, C/t] repeated over rows -> [B, C, Q/t] for the transposed operand."""
+    per_tile = scales[:, ::tile, :]  # [B, Q/t, C/t]
+    return jnp.repeat(jnp.swapaxes(per_tile, -1, -2), tile, axis=1)
+
+
+def _block_scaled(q: Any, t: TensorQuant, transposed: bool):
+    """(element array, block scales or None, global decode scale) in the layout [B, P, C]."""
+    if t.fmt == "nvfp4":
+        vals, scales, g = _fp4_values(q.packed), q.block_scales, q.global_scale
+        if transposed:
+            vals, scales = jnp.swapaxes(vals, -1, -2), _transpose_tiles(scales, 16)
+        return vals, scales, g
+    if t.fmt == "mxfp4":
+        if transposed:
+            raise ValueError("MXFP4 operands are 1D-blocked and cannot be reused transposed")
+        scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
+        return _fp4_values(q.packed), scales, jnp.float32(1.0)
+    if t.fmt in ("fp8_e4m3", "fp8_e5m2"):
+        vals = jnp.swapaxes(q.data, -1, -2) if transposed else q.data
+        return vals, None, q.decode_scale
+    vals = jnp.swapaxes(q, -1, -2) if transposed else q
+    return vals, None, jnp.float32(1.0)
+
+
+def xla_gemm(
+    qa: Any, ta: TensorQuant, qb: Any, tb: TensorQuant, *, b_transposed: bool = False
+) -> jax.Array:
+    """Real FP4/FP8 operands through `jax.lax.scaled_dot`, global scales applied to the output.
+
+    Computes sum_blocks(qA * qB * sbA * sbB) * s_dec_A * s_dec_B (spec section 3), which XLA
+    lowers to a block-scaled GEMM where the platform has one and to dequantize + dot elsewhere.
+    Equal to `emulated_gemm` up to FP32 summation order and the rounding of the global scales.
+    """
+    with jax.named_scope("nvfp4/gemm_xla"):
+        a, sa, ga = _block_scaled(qa, ta, False)
+        b, sb, gb = _block_scaled(qb, tb, b_transposed)
+        if sa is not None and sb is not None and sa.dtype == sb.dtype:
+            out = jax.lax.scaled_dot(
+                a,
+                b,
+                lhs_scale=sa,
+                rhs_scale=sb,
+                dimension_numbers=_LAST,
+                preferred_element_type=jnp.float32,
+            )
+        else:
+            out = jax.lax.dot_general(
+                _unit_values(a, sa),
+                _unit_values(b, sb),
+                _LAST,
+                precision=jax.lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32,
+            )
+        return out * (ga * gb)
+
+
+def _unit_values(vals: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """Element values times their block scales (no global scale), float32."""
+    v = vals.astype(jnp.float32)
+    if scales is None:
+        return v
+    block = v.shape[-1] // scales.shape[-1]
+    return v * jnp.repeat(scales.astype(jnp.float32), block, axis=-1)
+
+
+GEMMS = {"emulated": emulated_gemm, "xla": xla_gemm}

@@ -1,0 +1,111 @@
+"""The recipe's three quantized GEMMs as one `jax.custom_vjp` on canonical operands.
+
+x: [B, M, K] activations, w: [B, K, N] weight, M, K, N multiples of `recipe.alignment`.
+Fprop  y  = Q(x; fprop_input, along K)  . Q(w^T; fprop_weight, along K)
+Dgrad  dx = Q(dy; grad, along N)        . W as quantized for Dgrad (the Fprop W if 2D/per-tensor)
+Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional)
+The residuals saved for the backward pass are the quantized W for Dgrad and the rotated,
+quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x.
+
+Stochastic-rounding keys: `jax.random.split(key, 6)` gives, in order, the keys for
+[fprop x, fprop w, dgrad dy, dgrad w (re-quantized 1D weights), wgrad x, wgrad dy].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_ops.gemm import GEMMS
+from nvfp4_ops.hadamard import hadamard_transform
+from nvfp4_ops.quantizers import quantize_operand
+from nvfp4_ops.recipe import Recipe, TensorQuant
+
+KEY_SLOTS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Static settings of one quantized dot_general (hashable, a `nondiff_argnums` value)."""
+
+    recipe: Recipe
+    backend: str
+    out_dtype: np.dtype
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+
+
+def split_keys(key: jax.Array | None) -> dict[str, jax.Array | None]:
+    """The per-GEMM stochastic-rounding keys (see the module docstring for the order)."""
+    if key is None:
+        return dict.fromkeys(KEY_SLOTS)
+    return dict(zip(KEY_SLOTS, jax.random.split(key, len(KEY_SLOTS)), strict=True))
+
+
+def dgrad_weight_quant(recipe: Recipe) -> tuple[TensorQuant, bool]:
+    """(settings of W in Dgrad, whether the Fprop quantization is reused transposed)."""
+    w = recipe.fprop_weight
+    if w.is_2d or w.block_shape is None:
+        return w, True
+    return w, False
+
+
+def _rotate(x: jax.Array, recipe: Recipe) -> jax.Array:
+    if not recipe.wgrad_hadamard:
+        return x
+    return hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
+
+
+def _wgrad_input(x_bmk: jax.Array, recipe: Recipe, key: jax.Array | None) -> Any:
+    """x^T [B, K, M], rotated along M and quantized along M (a "bf16" role keeps x unrotated)."""
+    xt = jnp.swapaxes(x_bmk, -1, -2)
+    if not recipe.fprop_input.quantized:
+        return xt
+    return quantize_operand(_rotate(xt, recipe), recipe.fprop_input, key)
+
+
+def _fwd(x, w, key, cfg: GemmConfig):
+    recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
+    keys = split_keys(key)
+    with jax.named_scope("nvfp4/fprop"):
+        qx = quantize_operand(x, recipe.fprop_input, keys["fprop_x"])
+        qw = quantize_operand(jnp.swapaxes(w, -1, -2), recipe.fprop_weight, keys["fprop_w"])
+        y = gemm(qx, recipe.fprop_input, qw, recipe.fprop_weight).astype(cfg.out_dtype)
+    with jax.named_scope("nvfp4/save_residuals"):
+        wq, reuse = dgrad_weight_quant(recipe)
+        qw_dgrad = qw if reuse else quantize_operand(w, wq, keys["dgrad_w"])
+        qxt = _wgrad_input(x, recipe, keys["wgrad_x"])
+    return y, (qxt, qw_dgrad, key)
+
+
+def _bwd(cfg: GemmConfig, residuals, dy):
+    recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
+    qxt, qw_dgrad, key = residuals
+    keys = split_keys(key)
+    wq, reuse = dgrad_weight_quant(recipe)
+    with jax.named_scope("nvfp4/dgrad"):
+        qdy = quantize_operand(dy, recipe.grad, keys["dgrad_dy"])
+        dx = gemm(qdy, recipe.grad, qw_dgrad, wq, b_transposed=reuse)
+    with jax.named_scope("nvfp4/wgrad"):
+        dyt = _rotate(jnp.swapaxes(dy, -1, -2), recipe)
+        if recipe.grad.quantized:
+            dyt = quantize_operand(dyt, recipe.grad, keys["wgrad_dy"])
+        xt = qxt
+        if not recipe.fprop_input.quantized:
+            xt = _rotate(qxt, recipe)
+        dw = gemm(xt, recipe.fprop_input, dyt, recipe.grad)
+    return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def quantized_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, cfg: GemmConfig) -> jax.Array:
+    """y[B, M, N] = x[B, M, K] . w[B, K, N] through the recipe's quantized GEMMs."""
+    return _fwd(x, w, key, cfg)[0]
+
+
+quantized_dot.defvjp(_fwd, _bwd)
