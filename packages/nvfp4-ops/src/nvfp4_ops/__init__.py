@@ -8,6 +8,7 @@ capability report used by `nvfp4-ops doctor`.
 
 from nvfp4_ops.backends import BACKENDS, auto_backend, backend_capabilities
 from nvfp4_ops.dot import dot_general
+from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
@@ -24,6 +25,7 @@ __all__ = [
     "backend_capabilities",
     "dequantize_fp8",
     "dot_general",
+    "fake_quantize",
     "get_recipe",
     "hadamard_matrix",
     "hadamard_transform",
