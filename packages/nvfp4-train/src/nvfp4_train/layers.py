@@ -1,0 +1,191 @@
+"""Building blocks of the Llama decoder: quantized linear, RMSNorm, RoPE, attention, SwiGLU MLP.
+
+Parameters are float32 master weights; each block casts them to its compute dtype. Only the four
+linears of a block (`attn.qkv`, `attn.o`, `mlp.gate_up`, `mlp.down`) go through
+`nvfp4_ops.dot_general` with their own `Recipe`; norms, RoPE, attention BMMs and softmax stay in
+BF16/FP32 and are never quantized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import nvfp4_ops
+
+
+class QuantLinear(nnx.Module):
+    """A bias-free linear `y = x @ W` whose matmul is `nvfp4_ops.dot_general` with a fixed recipe.
+
+    The kernel is stored [in, out] in float32 (like `nnx.Linear`); the recipe is a static attribute,
+    so it is part of the graphdef and not of the parameters.
+
+    Example:
+        >>> lin = QuantLinear(64, 32, recipe=nvfp4_ops.get_recipe("bf16"), init_std=0.02,
+        ...                   dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        >>> lin(jnp.ones((2, 64), jnp.bfloat16)).shape
+        (2, 32)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        recipe: nvfp4_ops.Recipe,
+        init_std: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        init = jax.nn.initializers.normal(stddev=init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.float32))
+        self.recipe = recipe
+        self.dtype = dtype
+
+    def __call__(self, x_NxI: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """Returns `x @ kernel` in the compute dtype; `key` feeds the recipe's stochastic rounding."""
+        x = x_NxI.astype(self.dtype)
+        w = self.kernel[...].astype(self.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        y = nvfp4_ops.dot_general(
+            x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key
+        )
+        return y.astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm computed in float32, with a float32 learnable scale (init 1)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv_rms * self.scale[...]).astype(self.dtype)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """HF `rotate_half`: split the last axis in halves (x1, x2) and return concat(-x2, x1)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope_cos_sin(
+    positions_L: jax.Array, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
+    """Rotary tables in the HF layout: float32 [L, head_dim], frequencies repeated over both halves."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_LxHalf = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb_LxD = jnp.concatenate([freqs_LxHalf, freqs_LxHalf], axis=-1)
+    return jnp.cos(emb_LxD), jnp.sin(emb_LxD)
+
+
+def apply_rope(x_BxLxHxD: jax.Array, cos_LxD: jax.Array, sin_LxD: jax.Array) -> jax.Array:
+    """Applies rotary embeddings (HF convention) in float32; returns x's dtype."""
+    x32 = x_BxLxHxD.astype(jnp.float32)
+    cos, sin = cos_LxD[None, :, None, :], sin_LxD[None, :, None, :]
+    return (x32 * cos + rotate_half(x32) * sin).astype(x_BxLxHxD.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with one fused q/k/v projection.
+
+    `qkv.kernel` is [d_model, (num_heads + 2 * num_kv_heads) * head_dim]: columns hold all q heads,
+    then all k heads, then all v heads, each head's `head_dim` columns contiguous. QK^T, softmax and
+    SV are not quantized (inputs in the compute dtype, float32 accumulation and softmax).
+    """
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs):
+        hd, nh, nkv = cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
+        dtype = cfg.compute_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = QuantLinear(
+            cfg.d_model, (nh + 2 * nkv) * hd, recipe=recipes[f"{prefix}.qkv"],
+            init_std=cfg.init_std, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
+        self.o = QuantLinear(
+            nh * hd, cfg.d_model, recipe=recipes[f"{prefix}.o"],
+            init_std=out_std, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
+        b, l, _ = x_BxLxD.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x_BxLxD, keys[0])
+        q, k, v = jnp.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+        q_BxLxHxK = q.reshape(b, l, nh, hd)
+        k_BxLxGxK = k.reshape(b, l, nkv, hd)
+        v_BxLxGxK = v.reshape(b, l, nkv, hd)
+        cos, sin = rope_cos_sin(jnp.arange(l), hd, self.rope_theta)
+        q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
+        k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
+        out_BxLxHxK = causal_gqa(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        return self.o(out_BxLxHxK.reshape(b, l, nh * hd), keys[1])
+
+
+def causal_gqa(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+    """Causal softmax attention; each of the G kv heads serves H/G consecutive query heads.
+
+    Scores and softmax in float32; the probabilities are cast back to the input dtype for SV.
+    """
+    b, l, h, d = q_BxLxHxK.shape
+    g = k_BxLxGxK.shape[2]
+    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    scores_BxGxRxLxS = jnp.einsum(
+        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
+    ) / jnp.sqrt(jnp.float32(d))
+    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
+    scores_BxGxRxLxS = jnp.where(causal_LxS, scores_BxGxRxLxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxLxGxK.dtype)
+    out_BxLxGxRxK = jnp.einsum(
+        "bgrls,bsgk->blgrk", probs, v_BxLxGxK, preferred_element_type=jnp.float32
+    )
+    return out_BxLxGxRxK.reshape(b, l, h, d).astype(q_BxLxHxK.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP with one fused gate/up projection.
+
+    `gate_up.kernel` is [d_model, 2 * mlp_dim]: the first `mlp_dim` columns are the gate, the last
+    `mlp_dim` the up projection. `down.kernel` is [mlp_dim, d_model].
+    """
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs):
+        dtype = cfg.compute_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.gate_up = QuantLinear(
+            cfg.d_model, 2 * cfg.mlp_dim, recipe=recipes[f"{prefix}.gate_up"],
+            init_std=cfg.init_std, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
+        self.down = QuantLinear(
+            cfg.mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"],
+            init_std=out_std, dtype=dtype, rngs=rngs,
+        )  # fmt: skip
+
+    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
+        gate, up = jnp.split(self.gate_up(x_BxLxD, keys[0]), 2, axis=-1)
+        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+        return self.down(hidden, keys[1])
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs):
+        dtype = cfg.compute_dtype
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, recipes, f"layers.{index}.attn", rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, recipes, f"layers.{index}.mlp", rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, ...]) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2])
+        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), keys[2:4])

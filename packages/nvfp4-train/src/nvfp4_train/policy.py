@@ -1,0 +1,181 @@
+"""Precision policy: which recipe each linear layer uses (see docs/precision-policy.md).
+
+Default rule (the paper keeps the first 2 and last 8 of 62 blocks in BF16, ~16% of the linears),
+scaled to a model of L blocks:
+    first = clamp(round_half_up(2 * L / 62), 1, 2)
+    last  = clamp(round_half_up(8 * L / 62), 1, 8)
+then, while the BF16 blocks would cover every block of a model with L >= 2, drop a first block,
+then a last block, so at least one block keeps the quantized recipe (the last blocks are the
+sensitive ones in the paper, so they are kept longest). L=1: the single block is quantized.
+Examples (first, last): L=1 (0, 0); L=2 (0, 1); L=4 (1, 1); L=6 (1, 1); L=12 (1, 2); L=32 (1, 4);
+L=62 (2, 8); L=126 (2, 8).
+
+Overrides: `"REGEX=RECIPE"` strings, matched with `re.fullmatch` against module paths such as
+`layers.3.mlp.down`, applied in order after the rule (the last match wins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import nvfp4_ops
+from nvfp4_train.model import LINEAR_NAMES, ModelConfig, linear_paths
+
+BF16_RECIPE = "bf16"
+LOSS_SCALING_MODES = ("none", "dynamic")
+
+
+def _parse_override(text: str) -> tuple[re.Pattern[str], str]:
+    """Splits `"REGEX=RECIPE"` at its last `=`; validates both halves."""
+    if not isinstance(text, str) or "=" not in text:
+        raise ValueError(
+            f"precision.overrides entries must be strings 'REGEX=RECIPE' "
+            f"(e.g. 'layers\\.0\\..*=bf16'), got {text!r}"
+        )
+    pattern, recipe = text.rsplit("=", 1)
+    try:
+        compiled = re.compile(pattern.strip())
+    except re.error as err:
+        raise ValueError(f"precision.overrides: bad regex {pattern!r} in {text!r}: {err}") from err
+    _check_recipe_name(recipe.strip(), f"precision.overrides ({text!r})")
+    return compiled, recipe.strip()
+
+
+def _check_recipe_name(name: str, where: str) -> None:
+    try:
+        nvfp4_ops.get_recipe(name)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{where}: unknown recipe {name!r}: {err}") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Which recipe each linear runs with, plus loss scaling and skip-step on non-finite gradients.
+
+    Attributes:
+        recipe: `nvfp4_ops` preset for the quantized linears ("nvfp4", "nvfp4-no-rht",
+            "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-naive", "mxfp4", "fp8", "bf16").
+        bf16_first_layers: Blocks at the start kept in BF16; -1 = the scaled default rule.
+        bf16_last_layers: Blocks at the end kept in BF16; -1 = the scaled default rule.
+        overrides: `"REGEX=RECIPE"` strings matched (fullmatch) against module paths such as
+            `layers.3.attn.qkv`; applied in order after the first/last rule, the last match wins.
+        loss_scaling: "none" or "dynamic" (for float16 compute).
+        initial_loss_scale: Starting dynamic loss scale.
+        loss_scale_growth_interval: Finite steps before the dynamic scale doubles.
+        skip_nonfinite: Skip the update (params and optimizer state unchanged) when any gradient
+            is NaN/Inf; the count is kept in the optimizer state.
+
+    Example:
+        >>> PrecisionConfig(recipe="nvfp4", overrides=("layers\\\\.0\\\\..*=bf16",)).recipe
+        'nvfp4'
+    """
+
+    recipe: str = "nvfp4"
+    bf16_first_layers: int = -1
+    bf16_last_layers: int = -1
+    overrides: tuple[str, ...] = ()
+    loss_scaling: str = "none"
+    initial_loss_scale: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
+    skip_nonfinite: bool = True
+
+    def __post_init__(self):
+        _check_recipe_name(self.recipe, "precision.recipe")
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            value = getattr(self, name)
+            if value < -1:
+                raise ValueError(f"precision.{name} must be >= 0 or -1 (default rule), got {value}")
+        if isinstance(self.overrides, str):
+            raise ValueError(
+                f"precision.overrides must be a list of 'REGEX=RECIPE' strings, got the single "
+                f"string {self.overrides!r}"
+            )
+        for text in self.overrides:
+            _parse_override(text)
+        if self.loss_scaling not in LOSS_SCALING_MODES:
+            raise ValueError(
+                f"precision.loss_scaling must be one of {LOSS_SCALING_MODES}, "
+                f"got {self.loss_scaling!r}"
+            )
+        if self.loss_scaling == "dynamic" and not self.skip_nonfinite:
+            raise ValueError(
+                "precision.skip_nonfinite must be true when precision.loss_scaling is 'dynamic' "
+                "(an overflowed step must be skipped), got false"
+            )
+        if not self.initial_loss_scale > 0:
+            raise ValueError(
+                f"precision.initial_loss_scale must be > 0, got {self.initial_loss_scale}"
+            )
+        if self.loss_scale_growth_interval < 1:
+            raise ValueError(
+                f"precision.loss_scale_growth_interval must be >= 1, "
+                f"got {self.loss_scale_growth_interval}"
+            )
+
+
+def _round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def default_bf16_layers(num_layers: int) -> tuple[int, int]:
+    """The scaled paper rule: (first, last) blocks kept in BF16 for a model of `num_layers` blocks.
+
+    Example:
+        >>> [default_bf16_layers(n) for n in (1, 2, 4, 12, 32, 62)]
+        [(0, 0), (0, 1), (1, 1), (1, 2), (1, 4), (2, 8)]
+    """
+    first = min(max(_round_half_up(2 * num_layers / 62), 1), 2)
+    last = min(max(_round_half_up(8 * num_layers / 62), 1), 8)
+    while first + last >= num_layers and first + last > 0:
+        if first > 0:
+            first -= 1
+        else:
+            last -= 1
+    return first, last
+
+
+def bf16_layer_range(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> tuple[int, int]:
+    """(first, last) blocks in BF16 after applying the config (explicit counts or the rule)."""
+    rule_first, rule_last = default_bf16_layers(model_cfg.num_layers)
+    first = rule_first if precision_cfg.bf16_first_layers < 0 else precision_cfg.bf16_first_layers
+    last = rule_last if precision_cfg.bf16_last_layers < 0 else precision_cfg.bf16_last_layers
+    return min(first, model_cfg.num_layers), min(last, model_cfg.num_layers)
+
+
+def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> dict[str, str]:
+    """Module path -> recipe name for every linear (see `layer_recipes`)."""
+    first, last = bf16_layer_range(model_cfg, precision_cfg)
+    n = model_cfg.num_layers
+    names = {}
+    for i in range(n):
+        in_bf16 = i < first or i >= n - last
+        for linear in LINEAR_NAMES:
+            names[f"layers.{i}.{linear}"] = BF16_RECIPE if in_bf16 else precision_cfg.recipe
+    for text in precision_cfg.overrides:
+        pattern, recipe = _parse_override(text)
+        matched = [path for path in names if pattern.fullmatch(path)]
+        if not matched:
+            raise ValueError(
+                f"precision.overrides entry {text!r} matches no linear; paths look like "
+                f"{linear_paths(model_cfg)[:4]}"
+            )
+        names.update(dict.fromkeys(matched, recipe))
+    return names
+
+
+def layer_recipes(
+    model_cfg: ModelConfig, precision_cfg: PrecisionConfig
+) -> dict[str, nvfp4_ops.Recipe]:
+    """Module path -> `nvfp4_ops.Recipe` for every linear of the model.
+
+    Example:
+        >>> cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
+        ...                   num_kv_heads=2, mlp_dim=128)
+        >>> recipes = layer_recipes(cfg, PrecisionConfig(recipe="nvfp4"))
+        >>> recipes["layers.0.attn.qkv"] == nvfp4_ops.get_recipe("bf16")
+        True
+    """
+    names = layer_recipe_names(model_cfg, precision_cfg)
+    return {path: nvfp4_ops.get_recipe(name) for path, name in names.items()}

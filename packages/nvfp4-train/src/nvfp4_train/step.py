@@ -1,0 +1,166 @@
+"""Train state, the pure train step (with gradient accumulation) and the eval step.
+
+These functions read only `cfg.model`, `cfg.precision`, `cfg.optimizer`, `cfg.train.seed`,
+`cfg.train.steps` and `cfg.train.grad_accum_steps` of the run config.
+
+Example (`cfg` a run config with `cfg.model.vocab_size` set):
+    graphdef, state = init_state(cfg)
+    optimizer = make_optimizer(cfg, cfg.train.steps)
+    train_step = jax.jit(make_train_step(cfg, graphdef, optimizer), donate_argnums=0)
+    state, metrics = train_step(state, {"inputs": x_BxL, "targets": y_BxL})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
+from nvfp4_train.model import Llama
+from nvfp4_train.optim import make_optimizer, make_schedule
+from nvfp4_train.policy import layer_recipes
+
+Batch = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything a step changes.
+
+    Attributes:
+        step: int32 scalar, number of completed steps.
+        params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`).
+        opt_state: The optimizer's state.
+    """
+
+    step: jax.Array
+    params: dict[str, Any]
+    opt_state: optax.OptState
+
+
+def init_state(
+    cfg, *, vocab_size: int | None = None, optimizer: optax.GradientTransformation | None = None
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Builds the model from `cfg.model` / `cfg.precision` with seed `cfg.train.seed`.
+
+    Args:
+        cfg: The run config.
+        vocab_size: The data's vocabulary size; fills `model.vocab_size` when that is 0.
+        optimizer: Defaults to `make_optimizer(cfg, cfg.train.steps)`.
+
+    Returns:
+        (graphdef, state): the model's static structure (recipes included) and step-0 state.
+    """
+    model_cfg = cfg.model if vocab_size is None else cfg.model.with_vocab_size(vocab_size)
+    recipes = layer_recipes(model_cfg, cfg.precision)
+    model = Llama(model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed))
+    graphdef, model_state = nnx.split(model)
+    params = model_state.to_pure_dict()
+    optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def forward(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None) -> jax.Array:
+    """float32 logits [B, L, vocab] of the model `graphdef` with `params`."""
+    return nnx.merge(graphdef, params)(inputs_BxL, key=key)
+
+
+def _loss_sum(graphdef, params, batch: Batch, key) -> tuple[jax.Array, int]:
+    """float32 sum of token cross-entropies, and the number of tokens."""
+    logits_BxLxV = forward(graphdef, params, batch["inputs"], key)
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+    return losses_BxL.sum(), losses_BxL.size
+
+
+def _split_microbatches(batch: Batch, accum: int) -> Batch:
+    b = batch["inputs"].shape[0]
+    if b % accum != 0:
+        raise ValueError(
+            f"batch size must be a multiple of train.grad_accum_steps={accum}, got batch size {b}"
+        )
+    return jax.tree.map(lambda x: x.reshape(accum, b // accum, *x.shape[1:]), batch)
+
+
+def _accumulated_grads(graphdef, params, batch: Batch, key, loss_scale, accum: int):
+    """Mean loss and the gradients of `mean loss * loss_scale`, summed over microbatches."""
+
+    def scaled_loss(p, micro: Batch, micro_key):
+        loss_sum, count = _loss_sum(graphdef, p, micro, micro_key)
+        loss = loss_sum / count
+        return loss * loss_scale / accum, loss / accum
+
+    def body(carry, xs):
+        index, micro = xs
+        grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+        (_, loss), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    xs = (jnp.arange(accum), _split_microbatches(batch, accum))
+    (loss, grads), _ = jax.lax.scan(body, zeros, xs)
+    return loss, grads
+
+
+def make_train_step(
+    cfg, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns the pure `train_step(state, batch) -> (state, metrics)`; jit it once, donating state.
+
+    The stochastic-rounding key is `fold_in(key(train.seed), step)`, folded again with the
+    microbatch index, so a rerun is bit-identical. Metrics (scalars): `loss` (mean FP32 token
+    cross-entropy of the batch), `grad_norm` (global norm of the unscaled, unclipped gradients),
+    `lr` (the schedule at this step), `skipped` (1 if this update was skipped as non-finite),
+    `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling).
+    """
+    seed, accum = cfg.train.seed, cfg.train.grad_accum_steps
+    if accum < 1:
+        raise ValueError(f"train.grad_accum_steps must be >= 1, got {accum}")
+    schedule = make_schedule(cfg.optimizer, cfg.train.steps)
+
+    def train_step(state: TrainState, batch: Batch):
+        key = jax.random.fold_in(jax.random.key(seed), state.step)
+        loss_scale = current_loss_scale(state.opt_state)
+        loss, grads = _accumulated_grads(graphdef, state.params, batch, key, loss_scale, accum)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads) / loss_scale,
+            "lr": schedule(state.step),
+            "skipped": last_step_skipped(opt_state).astype(jnp.int32),
+            "skipped_total": skipped_steps(opt_state),
+            "loss_scale": loss_scale,
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(cfg, graphdef: nnx.GraphDef) -> Callable[[Any, Batch], tuple[jax.Array, ...]]:
+    """Returns `eval_step(params, batch) -> (loss_sum float32, token_count int32)`.
+
+    Forward only: the fixed key `key(train.seed)` is passed for recipes that require one
+    (stochastic rounding only touches gradients, so it does not change the result).
+    """
+    seed = cfg.train.seed
+
+    def eval_step(params, batch: Batch):
+        loss_sum, count = _loss_sum(graphdef, params, batch, jax.random.key(seed))
+        return loss_sum, jnp.asarray(count, jnp.int32)
+
+    return eval_step
+
+
+def count_params(params) -> int:
+    """Total number of parameter elements in a params pytree."""
+    return int(sum(leaf.size for leaf in jax.tree.leaves(params)))
+
+
+def with_vocab_size(cfg, vocab_size: int):
+    """Returns the run config with `model.vocab_size` filled from the data (see ModelConfig)."""
+    return dataclasses.replace(cfg, model=cfg.model.with_vocab_size(vocab_size))
