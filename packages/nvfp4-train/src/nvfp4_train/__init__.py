@@ -1,3 +1,51 @@
-"""nvfp4_train (under construction)."""
+"""nvfp4_train: pretrain Llama-style models in JAX with the NVFP4 precision policy.
 
-__all__: list[str] = []
+Command line: `nvfp4-train run CONFIG.yaml [key=value ...]` (see the package README).
+
+Example:
+    >>> from nvfp4_train import load_config, run
+    >>> cfg = load_config("examples/configs/tiny.yaml", ["train.steps=20"])  # doctest: +SKIP
+    >>> summary = run(cfg)  # doctest: +SKIP
+"""
+
+from nvfp4_train.checkpoint import Checkpoints, Restored
+from nvfp4_train.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    LoggingConfig,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    to_dict,
+    to_yaml,
+)
+from nvfp4_train.data import DataConfig, make_datasets
+from nvfp4_train.model import ModelConfig
+from nvfp4_train.optim import OptimizerConfig
+from nvfp4_train.plot import plot_runs
+from nvfp4_train.policy import PrecisionConfig
+from nvfp4_train.run import RunSummary, evaluate_run, run
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpoints",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "Restored",
+    "RunSummary",
+    "TrainConfig",
+    "config_from_dict",
+    "evaluate_run",
+    "load_config",
+    "make_datasets",
+    "plot_runs",
+    "run",
+    "to_dict",
+    "to_yaml",
+]

@@ -1,0 +1,151 @@
+"""Orbax checkpoints of a run: the train state, the data iterator position and the config.
+
+On disk (see docs/checkpoint-schema.md): `<run_dir>/checkpoints/<step>/` holds one orbax item per
+`TrainState` field except `step` (`params`, `opt_state`: orbax PyTree/OCDBT, restorable without a
+target), `data_iter` (JSON: the grain iterator state) and `config` (JSON: the resolved config). The step
+is the directory name.
+
+Example:
+    >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
+    ...     ckpts.save(100, state, data_iter_state=it.get_state(), config=to_dict(cfg))
+    ...     restored = ckpts.restore(ckpts.latest_step(), abstract_state)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+DATA_ITER_ITEM = "data_iter"
+CONFIG_ITEM = "config"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpoints.restore` returns.
+
+    Attributes:
+        step: the checkpointed step (optimizer steps taken).
+        state: the train state, with the same tree, shapes and dtypes as the abstract target.
+        data_iter_state: the iterator state as `train_iterator().get_state()` returned it.
+        config: the resolved config of the run that wrote the checkpoint, as plain data.
+    """
+
+    step: int
+    state: Any
+    data_iter_state: Any
+    config: dict[str, Any]
+
+
+def encode_iterator_state(state: Any) -> dict[str, Any]:
+    """Makes a grain iterator state JSON-ready: `DataLoader` states are JSON bytes, others dicts."""
+    if isinstance(state, bytes):
+        return {"kind": "bytes", "value": state.decode("utf-8")}
+    return {"kind": "json", "value": state}
+
+
+def decode_iterator_state(encoded: dict[str, Any]) -> Any:
+    """Inverse of `encode_iterator_state`."""
+    kind = encoded.get("kind")
+    if kind == "bytes":
+        return encoded["value"].encode("utf-8")
+    if kind == "json":
+        return encoded["value"]
+    raise ValueError(f"data_iter checkpoint item: kind must be 'bytes' or 'json', got {kind!r}")
+
+
+def _state_items(state: NamedTuple) -> dict[str, Any]:
+    """The checkpoint items of a train state: every field but `step`."""
+    return {name: getattr(state, name) for name in state._fields if name != "step"}
+
+
+def _restore_target(leaf: Any) -> Any:
+    """A restore target leaf: shape and dtype of `leaf`, placed like it (default device if abstract)."""
+    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]
+    )
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+class Checkpoints:
+    """A directory of step checkpoints, keeping the newest `keep`.
+
+    Args:
+        directory: where step directories are written (created if missing).
+        keep: how many of the newest checkpoints to keep.
+        async_save: write in a background thread; `wait()` or `close()` finishes pending writes.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = False) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+        )
+        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of the checkpoints on disk, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: NamedTuple, *, data_iter_state: Any, config: dict) -> None:
+        """Saves `state` (a TrainState NamedTuple), the iterator state and the config at `step`."""
+        items = {k: ocp.args.StandardSave(v) for k, v in _state_items(state).items()}
+        items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
+        items[CONFIG_ITEM] = ocp.args.JsonSave(config)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def read_config(self, step: int) -> dict[str, Any]:
+        """The resolved config (plain data) saved with the checkpoint at `step`."""
+        args = ocp.args.Composite(**{CONFIG_ITEM: ocp.args.JsonRestore()})
+        return self._manager.restore(step, args=args)[CONFIG_ITEM]
+
+    def restore(self, step: int, abstract_state: NamedTuple) -> Restored:
+        """Restores the checkpoint at `step` into the tree, shapes and dtypes of `abstract_state`.
+
+        Args:
+            step: a step from `all_steps()`.
+            abstract_state: a TrainState of arrays or `jax.ShapeDtypeStruct`s (e.g. from
+                `jax.eval_shape`) whose non-step fields match the saved items.
+        """
+        if step not in self.all_steps():
+            raise ValueError(f"no checkpoint at step {step}; have steps {self.all_steps()}")
+        targets = jax.tree.map(_restore_target, _state_items(abstract_state))
+        items = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
+        items[DATA_ITER_ITEM] = ocp.args.JsonRestore()
+        items[CONFIG_ITEM] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        step_dtype = getattr(abstract_state.step, "dtype", jnp.int32)
+        state = abstract_state._replace(
+            step=jnp.asarray(step, dtype=step_dtype), **{k: restored[k] for k in targets}
+        )
+        return Restored(
+            step=step,
+            state=state,
+            data_iter_state=decode_iterator_state(restored[DATA_ITER_ITEM]),
+            config=restored[CONFIG_ITEM],
+        )
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""The `nvfp4-train` command line.
+
+    nvfp4-train run CONFIG.yaml [key=value ...]          train (or resume) a run
+    nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config
+    nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
+    nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
+
+A user mistake (bad config, missing file, wrong run directory) prints one `error:` line and exits 2;
+set NVFP4_TRAIN_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nvfp4_train.config import ConfigError, load_config, to_yaml
+
+EXIT_USAGE = 2
+DEBUG_ENV = "NVFP4_TRAIN_DEBUG"
+
+_OVERRIDES_HELP = "dotted overrides, e.g. train.steps=50 model.num_layers=4 precision.recipe=bf16"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nvfp4-train",
+        description="Pretrain Llama-style models in JAX with the NVFP4 precision policy.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train a run (resumes if output_dir has a checkpoint)")
+    run.add_argument("config", type=Path, help="the YAML config file")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
+
+    show = sub.add_parser("show-config", help="print the fully resolved config as YAML")
+    show.add_argument("config", type=Path, help="the YAML config file")
+    show.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
+
+    evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
+    evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
+
+    plot = sub.add_parser("plot", help="draw the loss curves of one or more runs on one PNG")
+    plot.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    plot.add_argument("-o", "--output", type=Path, default=Path("loss.png"), help="PNG path")
+    plot.add_argument(
+        "--smoothing", type=float, default=0.6, help="EMA weight of the train loss, in [0, 1)"
+    )
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nvfp4_train.run import run
+
+    run(load_config(args.config, args.overrides))
+    return 0
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(to_yaml(load_config(args.config, args.overrides)))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from nvfp4_train.run import evaluate_run
+
+    evaluate_run(args.run_dir)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from nvfp4_train.plot import plot_runs
+
+    path = plot_runs(args.run_dirs, args.output, smoothing=args.smoothing)
+    print(f"wrote {path}")
+    return 0
+
+
+_COMMANDS = {"run": _run, "show-config": _show_config, "eval": _eval, "plot": _plot}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 2 user error).
+
+    Example:
+        >>> main(["show-config", "examples/configs/tiny.yaml", "train.steps=10"])  # doctest: +SKIP
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (ConfigError, ValueError, OSError) as e:
+        # ValueError: user input rejected by a library call (e.g. a data path or a config value).
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(
+            "interrupted; rerun the same command to resume from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

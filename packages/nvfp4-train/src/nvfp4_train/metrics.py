@@ -1,0 +1,238 @@
+"""Where a run's numbers go: `metrics.jsonl`, TensorBoard, and the terminal.
+
+`metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`, `grad_norm`,
+`tokens_per_s`, `step_time_s` and `skipped_steps` (cumulative); rows at evaluation steps also carry
+`val_loss`; `nvfp4-train eval` appends rows with `step`, `val_loss` and `source: "eval"`.
+
+Example:
+    >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
+    ...                        step=10, seconds=0.5, tokens=1024, skipped_total=0)
+    >>> format_row(row)
+    'step 10  loss 2.0000  lr 1.00e-03  grad_norm 1.000  tok/s 2048  skipped 0'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def summarize_window(
+    step_metrics: Sequence[Mapping[str, float]],
+    *,
+    step: int,
+    seconds: float,
+    tokens: int,
+    skipped_total: int,
+) -> dict[str, Any]:
+    """One metrics row from the per-step metrics of the steps since the last row.
+
+    Args:
+        step_metrics: host values of each step's `loss`, `grad_norm`, `lr`, `skipped`.
+        step: the step count after the last of those steps.
+        seconds: wall time those steps took.
+        tokens: tokens those steps consumed.
+        skipped_total: non-finite steps skipped since the start of the run.
+
+    Returns:
+        The row: mean `loss` and `grad_norm` over the window, the last `lr`, throughput and timing.
+    """
+    if not step_metrics:
+        raise ValueError("step_metrics must hold at least one step, got none")
+    n = len(step_metrics)
+    return {
+        "step": int(step),
+        "loss": float(sum(m["loss"] for m in step_metrics) / n),
+        "lr": float(step_metrics[-1]["lr"]),
+        "grad_norm": float(sum(m["grad_norm"] for m in step_metrics) / n),
+        "tokens_per_s": float(tokens / seconds) if seconds > 0 else 0.0,
+        "step_time_s": float(seconds / n),
+        "skipped_steps": int(skipped_total),
+    }
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    """A one-line, human-readable view of a metrics row (for plain logs)."""
+    parts = [f"step {row['step']}"]
+    if "loss" in row:
+        parts.append(f"loss {row['loss']:.4f}")
+    if "val_loss" in row:
+        parts.append(f"val_loss {row['val_loss']:.4f}")
+    if "lr" in row:
+        parts.append(f"lr {row['lr']:.2e}")
+    if "grad_norm" in row:
+        parts.append(f"grad_norm {row['grad_norm']:.3f}")
+    if "tokens_per_s" in row:
+        parts.append(f"tok/s {row['tokens_per_s']:.0f}")
+    if "skipped_steps" in row:
+        parts.append(f"skipped {row['skipped_steps']}")
+    return "  ".join(parts)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------- metrics.jsonl
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a `metrics.jsonl` file (an empty list when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> int:
+    """Drops rows after `last_step` (written past a checkpoint before a restart); returns how many."""
+    path = Path(path)
+    rows = read_metrics(path)
+    kept = [r for r in rows if r.get("step", 0) <= last_step]
+    if len(kept) != len(rows):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    return len(rows) - len(kept)
+
+
+class MetricsFile:
+    """Appends rows to a `metrics.jsonl` file, flushing after each row."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a")
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        """Writes one row (non-finite floats become null)."""
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Closes the file."""
+        self._file.close()
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoard:
+    """Scalars of each metrics row as TensorBoard events (tensorboardX) under `logdir`.
+
+    Args:
+        logdir: the event file directory.
+        purge_step: on resume, the first step to be written again (older events after it are hidden).
+    """
+
+    def __init__(self, logdir: str | Path, *, purge_step: int | None = None) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        """Adds every numeric field but `step` as a scalar at `row['step']`."""
+        step = int(row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self._writer.add_scalar(
+                    f"train/{key}" if key != "val_loss" else "val/loss", value, step
+                )
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self._writer.close()
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class PlainProgress:
+    """Progress as plain log lines (for files, CI logs, pipes)."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO) -> None:
+        self._total, self._stream = total, stream
+
+    def update(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """Prints the row, if any, as a log line."""
+        if row is not None:
+            print(f"[{step}/{self._total}] {format_row(row)}", file=self._stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """Prints a line."""
+        print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class RichProgress:
+    """A rich progress bar with the latest loss and tokens/s; rows also print above the bar."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=stream),
+        )
+        self._task = self._progress.add_task(
+            "train", total=total, completed=initial, loss="-", tps="-"
+        )
+        self._progress.start()
+
+    def update(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """Moves the bar to `step`; a row updates the loss and tokens/s fields and is printed."""
+        fields = {}
+        if row is not None and "loss" in row:
+            fields = {"loss": f"{row['loss']:.4f}", "tps": f"{row.get('tokens_per_s', 0):.0f}"}
+        if row is not None and "val_loss" in row:
+            self._progress.console.print(format_row(row))
+        self._progress.update(self._task, completed=step, **fields)
+
+    def message(self, text: str) -> None:
+        """Prints a line above the bar."""
+        self._progress.console.print(text, highlight=False, markup=False)
+
+    def close(self) -> None:
+        """Stops the bar."""
+        self._progress.stop()
+
+
+def make_progress(
+    mode: Literal["auto", "rich", "plain"],
+    *,
+    total: int,
+    initial: int = 0,
+    stream: TextIO | None = None,
+) -> PlainProgress | RichProgress:
+    """The progress display for `mode`; "auto" is rich on a terminal and plain otherwise."""
+    stream = sys.stdout if stream is None else stream
+    if mode not in ("auto", "rich", "plain"):
+        raise ValueError(f"mode must be 'auto', 'rich' or 'plain', got {mode!r}")
+    use_rich = mode == "rich" or (mode == "auto" and stream.isatty())
+    cls = RichProgress if use_rich else PlainProgress
+    return cls(total, initial, stream)

@@ -1,0 +1,331 @@
+"""The training loop: `run(cfg)` trains (or resumes) a run; `evaluate_run(run_dir)` evaluates it.
+
+A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tokenizer/`,
+`checkpoints/<step>/` (orbax, see docs/checkpoint-schema.md) and `tensorboard/`. Calling `run` again
+with the same `output_dir` resumes from the newest checkpoint: parameters, optimizer state, step and
+the data iterator position.
+
+Example:
+    >>> summary = run(config_from_dict({"output_dir": "runs/x", "train": {"steps": 10}}))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import jax
+
+from nvfp4_train.checkpoint import Checkpoints
+from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
+from nvfp4_train.data import make_datasets
+from nvfp4_train.metrics import (
+    MetricsFile,
+    TensorBoard,
+    format_row,
+    make_progress,
+    summarize_window,
+    truncate_metrics,
+)
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.step import count_params, init_state, make_eval_step, make_train_step
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a finished `run` reports.
+
+    Attributes:
+        run_dir: the run directory.
+        start_step: the step training started from (0, or the resumed checkpoint's step).
+        final_step: the step training stopped at (`train.steps`).
+        last_loss: the last logged training loss (None if no step ran).
+        val_loss: the last validation loss (None if there is no validation split or no step ran).
+    """
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    last_loss: float | None
+    val_loss: float | None
+
+
+def _datasets(cfg: Config) -> Any:
+    return make_datasets(
+        cfg.data,
+        seq_len=cfg.train.seq_len,
+        batch_size=cfg.train.batch_size,
+        seed=cfg.train.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+
+
+def _with_data_vocab(cfg: Config, vocab_size: int) -> Config:
+    try:
+        model = cfg.model.with_vocab_size(vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(cfg, model=model)
+
+
+def _abstract_state(cfg: Config) -> tuple[Any, Any]:
+    """(graphdef, TrainState of ShapeDtypeStructs) without materialising the parameters."""
+    graphdefs = []
+
+    def init() -> Any:
+        graphdef, state = init_state(cfg)
+        graphdefs.append(graphdef)
+        return state
+
+    abstract = jax.eval_shape(init)
+    return graphdefs[0], abstract
+
+
+def evaluate(eval_step: Callable, params: Any, batches: Sequence[dict]) -> float:
+    """Mean validation loss (nats per token) over `batches`."""
+    loss_sum, tokens = 0.0, 0.0
+    for batch in batches:
+        batch_loss, batch_tokens = eval_step(params, batch)
+        loss_sum += float(batch_loss)
+        tokens += float(batch_tokens)
+    if tokens == 0:
+        raise ValueError("batches must hold at least one target token, got none")
+    return loss_sum / tokens
+
+
+def _check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
+    new = to_dict(cfg)
+    for section in ("model", "precision"):
+        if saved.get(section) != new[section]:
+            keys = sorted(
+                k for k in new[section] if saved.get(section, {}).get(k) != new[section][k]
+            )
+            raise ConfigError(
+                f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
+                f"({section}.{', '.join(keys)} differ); choose a new output_dir to start fresh"
+            )
+
+
+def _eval_batches(cfg: Config, datasets: Any) -> list[dict]:
+    batches = list(datasets.validation_batches())
+    return batches if cfg.train.eval_batches is None else batches[: cfg.train.eval_batches]
+
+
+class _Outputs:
+    """The run's writers: metrics.jsonl, TensorBoard and the progress display."""
+
+    def __init__(self, cfg: Config, run_dir: Path, start: int, stream: TextIO) -> None:
+        self.metrics = MetricsFile(run_dir / METRICS_FILE)
+        self.tensorboard = None
+        if cfg.logging.tensorboard:
+            purge = start + 1 if start else None
+            self.tensorboard = TensorBoard(run_dir / TENSORBOARD_DIR, purge_step=purge)
+        self.progress = make_progress(
+            cfg.logging.progress, total=cfg.train.steps, initial=start, stream=stream
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.metrics.append(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+        self.progress.update(row["step"], row)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _resume_or_init(
+    cfg: Config, run_dir: Path, ckpts: Checkpoints, iterator: Any, say: Callable[[str], None]
+) -> tuple[Any, Any, int]:
+    """(graphdef, state, start_step), restoring the newest checkpoint if any."""
+    latest = ckpts.latest_step()
+    if latest is None:
+        graphdef, state = init_state(cfg)
+        return graphdef, state, 0
+    _check_same_model(cfg, ckpts.read_config(latest), run_dir)
+    graphdef, abstract = _abstract_state(cfg)
+    restored = ckpts.restore(latest, abstract)
+    iterator.set_state(restored.data_iter_state)
+    dropped = truncate_metrics(run_dir / METRICS_FILE, latest)
+    say(f"resumed from {run_dir / CHECKPOINT_DIR / str(latest)} (step {latest})")
+    if dropped:
+        say(f"dropped {dropped} metrics rows written after step {latest} by the interrupted run")
+    return graphdef, restored.state, latest
+
+
+def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
+    """Trains `cfg` for `train.steps` steps in `cfg.output_dir`, resuming from its checkpoints.
+
+    Args:
+        cfg: the resolved config.
+        stream: where progress and messages go (default: stdout).
+
+    Returns:
+        A `RunSummary` of the run.
+
+    Raises:
+        ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
+    """
+    stream = sys.stdout if stream is None else stream
+
+    def say(text: str) -> None:
+        print(text, file=stream, flush=True)
+
+    run_dir = Path(cfg.output_dir)
+    datasets = _datasets(cfg)
+    cfg = _with_data_vocab(cfg, datasets.vocab_size)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    iterator = datasets.train_iterator()
+    with Checkpoints(
+        run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+    ) as ckpts:
+        graphdef, state, start = _resume_or_init(cfg, run_dir, ckpts, iterator, say)
+        (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+        datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
+        say(f"run directory: {run_dir.resolve()}")
+        say(
+            f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
+            f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
+        )
+        if start >= cfg.train.steps:
+            say(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do")
+            return RunSummary(run_dir, start, start, None, None)
+        loop = _Loop(cfg, graphdef, datasets, ckpts, say)
+        return loop.train(state, iterator, run_dir, start, stream)
+
+
+class _Loop:
+    """One training session from `start` to `train.steps` (compiled steps and helpers)."""
+
+    def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say) -> None:
+        self.cfg, self.ckpts, self.say = cfg, ckpts, say
+        self.optimizer = make_optimizer(cfg, cfg.train.steps)
+        self.train_step = jax.jit(make_train_step(cfg, graphdef, self.optimizer), donate_argnums=0)
+        self.eval_step = jax.jit(make_eval_step(cfg, graphdef))
+        self.val_batches = _eval_batches(cfg, datasets)
+        self.config_dict = to_dict(cfg)
+
+    def _is_eval_step(self, step: int) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(self.val_batches) and (
+            step == self.cfg.train.steps or bool(every and step % every == 0)
+        )
+
+    def _is_checkpoint_step(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return step == self.cfg.train.steps or bool(every and step % every == 0)
+
+    def _row(self, step: int, window: list, seconds: float, params: Any) -> dict[str, Any]:
+        """The metrics row of the steps in `window` (blocks on them), with `val_loss` if due."""
+        host = jax.device_get(window)
+        tokens = self.cfg.train.batch_size * self.cfg.train.seq_len * len(host)
+        row = summarize_window(
+            host, step=step, seconds=seconds, tokens=tokens,
+            skipped_total=int(host[-1]["skipped_total"]),
+        )  # fmt: skip
+        if self.cfg.precision.loss_scaling != "none":
+            row["loss_scale"] = float(host[-1]["loss_scale"])
+        if self._is_eval_step(step):
+            row["val_loss"] = evaluate(self.eval_step, params, self.val_batches)
+        return row
+
+    def train(self, state, iterator, run_dir: Path, start: int, stream: TextIO) -> RunSummary:
+        """Runs steps `start + 1 .. train.steps`, writing rows and checkpoints as configured."""
+        cfg = self.cfg
+        batch = next(iterator)
+        t0 = time.perf_counter()
+        step_fn = self.train_step.lower(state, batch).compile()
+        self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        outputs = _Outputs(cfg, run_dir, start, stream)
+        window, rows = [], []
+        t_window = time.perf_counter()
+        try:
+            for step in range(start + 1, cfg.train.steps + 1):
+                batch = batch if step == start + 1 else next(iterator)
+                state, step_metrics = step_fn(state, batch)
+                window.append(step_metrics)
+                if (
+                    self._is_eval_step(step)
+                    or step % cfg.train.log_every == 0
+                    or step == cfg.train.steps
+                ):
+                    seconds = time.perf_counter() - t_window
+                    rows.append(self._row(step, window, seconds, state.params))
+                    outputs.write(rows[-1])
+                    window = []
+                else:
+                    outputs.progress.update(step)
+                if self._is_checkpoint_step(step):
+                    self.ckpts.save(
+                        step, state, data_iter_state=iterator.get_state(), config=self.config_dict
+                    )
+                if not window:  # evaluation and checkpointing do not count as step time
+                    t_window = time.perf_counter()
+        finally:
+            outputs.close()
+        self.ckpts.wait()
+        self.say(f"done: {format_row(rows[-1])}")
+        val = [r["val_loss"] for r in rows if "val_loss" in r]
+        return RunSummary(
+            run_dir, start, cfg.train.steps, rows[-1]["loss"], val[-1] if val else None
+        )
+
+
+def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The resolved config a run directory was trained with (its `config.yaml`)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
+    return load_config(path, overrides)
+
+
+def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[str, Any]:
+    """Evaluates the newest checkpoint of `run_dir` on its validation split.
+
+    Prints the result and appends a row `{"step", "val_loss", "source": "eval"}` to `metrics.jsonl`.
+
+    Raises:
+        ConfigError: `run_dir` is not a run directory, has no checkpoint, or no validation data.
+    """
+    stream = sys.stdout if stream is None else stream
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    datasets = _datasets(cfg)
+    cfg = _with_data_vocab(cfg, datasets.vocab_size)
+    batches = _eval_batches(cfg, datasets)
+    if not batches:
+        raise ConfigError(f"{str(run_dir)!r}: the config holds out no validation data")
+    with Checkpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep) as ckpts:
+        latest = ckpts.latest_step()
+        if latest is None:
+            raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
+        graphdef, abstract = _abstract_state(cfg)
+        restored = ckpts.restore(latest, abstract)
+    eval_step = jax.jit(make_eval_step(cfg, graphdef))
+    row = {
+        "step": latest,
+        "val_loss": evaluate(eval_step, restored.state.params, batches),
+        "source": "eval",
+    }
+    metrics = MetricsFile(run_dir / METRICS_FILE)
+    metrics.append(row)
+    metrics.close()
+    print(format_row(row), file=stream, flush=True)
+    return row
+
+
+__all__ = ["RunSummary", "evaluate", "evaluate_run", "load_run_config", "run"]
