@@ -1,0 +1,397 @@
+"""Finds FP4-quantized linears in safetensors checkpoints and measures them.
+
+Three on-disk layouts are recognised (names and dtypes from ``shared/spec/export-formats.md``):
+
+| layout | tensors of module ``<m>`` |
+|---|---|
+| ``modelopt-nvfp4`` | ``<m>.weight`` U8 [out, in/2], ``<m>.weight_scale`` F8_E4M3 [out, in/16], ``<m>.weight_scale_2`` F32 [] decode scale, optional ``<m>.input_scale`` F32 [] |
+| ``compressed-tensors-nvfp4`` | ``<m>.weight_packed`` U8 [out, in/2], ``<m>.weight_scale`` F8_E4M3 [out, in/16], ``<m>.weight_global_scale`` F32 [1] ENCODE scale, optional ``<m>.input_global_scale`` |
+| ``compressed-tensors-mxfp4`` | ``<m>.weight_packed`` U8 [out, in/2], ``<m>.weight_scale`` U8 E8M0 [out, in/32], no global scale |
+
+Packed weights tagged ``F4`` (logical shape [out, in]) are accepted in place of U8. Detection
+(`detect_quantized_modules`) looks at names, dtypes and shapes only; the statistics
+(`code_statistics`, `block_scale_statistics`, `inspect_module`) read the data. Everything
+returns frozen dataclasses.
+
+Example:
+    >>> from nvfp4_format.safetensors_file import read_safetensors_header
+    >>> header = read_safetensors_header("model.safetensors")  # doctest: +SKIP
+    >>> [m.module for m in detect_quantized_modules(header.tensors)]  # doctest: +SKIP
+    ['model.layers.0.mlp.down_proj', ...]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nvfp4_format.safetensors_file import TensorInfo
+
+__all__ = [
+    "LAYOUT_CT_MXFP4",
+    "LAYOUT_CT_NVFP4",
+    "LAYOUT_MODELOPT_NVFP4",
+    "BlockScaleStats",
+    "CodeStats",
+    "QuantizedModule",
+    "QuantizedTensorReport",
+    "block_scale_statistics",
+    "code_statistics",
+    "detect_quantized_modules",
+    "inspect_module",
+]
+
+LAYOUT_MODELOPT_NVFP4 = "modelopt-nvfp4"
+LAYOUT_CT_NVFP4 = "compressed-tensors-nvfp4"
+LAYOUT_CT_MXFP4 = "compressed-tensors-mxfp4"
+
+_PACKED_DTYPES = ("U8", "F4")
+_E8M0_DTYPES = ("U8", "F8_E8M0")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+_CHUNK_BYTES = 1 << 24  # bound the memory of the code histogram on huge tensors
+
+
+@dataclass(frozen=True)
+class QuantizedModule:
+    """Which tensors make up one FP4-quantized linear (found from the header alone).
+
+    Attributes:
+        module: module name, e.g. ``model.layers.0.mlp.down_proj``.
+        layout: one of the ``LAYOUT_*`` names.
+        packed: name of the packed E2M1 codes tensor.
+        block_scales: name of the block-scale tensor, None when missing.
+        global_scale: name of the weight global scale tensor (ModelOpt: decode scale,
+            compressed-tensors: encode scale); None when missing or not part of the layout.
+        input_scale: name of the activation scale tensor, None when absent.
+    """
+
+    module: str
+    layout: str
+    packed: str
+    block_scales: str | None
+    global_scale: str | None
+    input_scale: str | None
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """All tensors that belong to this module."""
+        names = (self.packed, self.block_scales, self.global_scale, self.input_scale)
+        return tuple(n for n in names if n is not None)
+
+
+@dataclass(frozen=True)
+class CodeStats:
+    """Statistics of packed E2M1 codes.
+
+    Attributes:
+        count: number of 4-bit codes.
+        zero_fraction: fraction of codes 0 or 8 (+0, -0).
+        saturated_fraction: fraction of codes 7 or 15 (+6, -6).
+        histogram: count of each code 0..15.
+    """
+
+    count: int
+    zero_fraction: float
+    saturated_fraction: float
+    histogram: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockScaleStats:
+    """Statistics of block scales (decoded to float).
+
+    Attributes:
+        count: number of block scales.
+        min_nonzero: smallest nonzero finite |scale|, None if there is none.
+        max: largest finite scale, None if there is none.
+        zero_fraction: fraction of scales equal to zero (E8M0 has no zero: always 0).
+        nan_count: number of NaN scales.
+        negative_count: number of scales below zero.
+    """
+
+    count: int
+    min_nonzero: float | None
+    max: float | None
+    zero_fraction: float
+    nan_count: int
+    negative_count: int
+
+
+@dataclass(frozen=True)
+class QuantizedTensorReport:
+    """Everything measured about one quantized linear.
+
+    Attributes:
+        module: module name.
+        layout: one of the ``LAYOUT_*`` names.
+        shape: logical weight shape [..., out, in].
+        tensors: names of the tensors that make up the module.
+        weight_bytes: stored bytes of the weight (codes + block scales + global scale).
+        storage_bytes: stored bytes of all the module's tensors (adds the input scale).
+        bf16_bytes: bytes of the same weight as BF16 (2 * elements).
+        bits_per_element: 8 * weight_bytes / logical elements (NVFP4 ~4.5, MXFP4 ~4.25).
+        block_scales: statistics of the block scales, None if missing or unreadable.
+        global_decode_scale: weight decode scale (ModelOpt ``weight_scale_2``, or
+            1 / compressed-tensors ``weight_global_scale``), None if absent.
+        input_decode_scale: activation decode scale, None if absent.
+        codes: statistics of the E2M1 codes.
+        problems: consistency problems found (empty when the module is well formed).
+    """
+
+    module: str
+    layout: str
+    shape: tuple[int, ...]
+    tensors: tuple[str, ...]
+    weight_bytes: int
+    storage_bytes: int
+    bf16_bytes: int
+    bits_per_element: float
+    block_scales: BlockScaleStats | None
+    global_decode_scale: float | None
+    input_decode_scale: float | None
+    codes: CodeStats
+    problems: tuple[str, ...]
+
+
+def _present(tensors: Mapping[str, TensorInfo], name: str) -> str | None:
+    return name if name in tensors else None
+
+
+def _modelopt_module(m: str, tensors: Mapping[str, TensorInfo]) -> QuantizedModule | None:
+    scale, scale_2 = f"{m}.weight_scale", f"{m}.weight_scale_2"
+    if scale not in tensors and scale_2 not in tensors:
+        return None
+    return QuantizedModule(
+        m,
+        LAYOUT_MODELOPT_NVFP4,
+        f"{m}.weight",
+        _present(tensors, scale),
+        _present(tensors, scale_2),
+        _present(tensors, f"{m}.input_scale"),
+    )
+
+
+def _compressed_tensors_module(m: str, tensors: Mapping[str, TensorInfo]) -> QuantizedModule:
+    scale = _present(tensors, f"{m}.weight_scale")
+    global_scale = _present(tensors, f"{m}.weight_global_scale")
+    input_scale = _present(tensors, f"{m}.input_global_scale")
+    is_mx = global_scale is None and scale is not None and tensors[scale].dtype in _E8M0_DTYPES
+    layout = LAYOUT_CT_MXFP4 if is_mx else LAYOUT_CT_NVFP4
+    return QuantizedModule(m, layout, f"{m}.weight_packed", scale, global_scale, input_scale)
+
+
+def detect_quantized_modules(
+    tensors: Mapping[str, TensorInfo],
+) -> tuple[QuantizedModule, ...]:
+    """Finds the FP4-quantized linears among a checkpoint's tensors.
+
+    A ``<m>.weight_packed`` tensor of dtype U8 (or F4) starts a compressed-tensors module
+    (MXFP4 when it has no global scale and E8M0 block scales, NVFP4 otherwise); a
+    ``<m>.weight`` of dtype U8 (or F4) with a ``weight_scale`` or ``weight_scale_2`` sibling
+    starts a ModelOpt module. Anything else is not quantized (e.g. compressed-tensors INT4
+    ``weight_packed`` is I32 and is left alone).
+
+    Args:
+        tensors: tensor name -> `TensorInfo` (one file's header, or all shards merged).
+
+    Returns:
+        The modules found, sorted by module name.
+    """
+    found = []
+    for name, info in tensors.items():
+        if info.dtype not in _PACKED_DTYPES:
+            continue
+        if name.endswith(".weight_packed"):
+            found.append(_compressed_tensors_module(name.removesuffix(".weight_packed"), tensors))
+        elif name.endswith(".weight"):
+            module = _modelopt_module(name.removesuffix(".weight"), tensors)
+            if module is not None:
+                found.append(module)
+    return tuple(sorted(found, key=lambda m: m.module))
+
+
+def code_statistics(packed: np.ndarray) -> CodeStats:
+    """Counts zero and saturated E2M1 codes in packed bytes (two codes per byte).
+
+    Args:
+        packed: uint8 array of any shape, two 4-bit codes per byte.
+
+    Returns:
+        `CodeStats`; fractions are 0.0 for an empty array.
+
+    Raises:
+        TypeError: ``packed`` is not uint8.
+    """
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise TypeError(f"packed must be uint8, got dtype {packed.dtype}")
+    flat = packed.reshape(-1)
+    byte_counts = np.zeros(256, np.int64)
+    for start in range(0, flat.size, _CHUNK_BYTES):
+        byte_counts += np.bincount(flat[start : start + _CHUNK_BYTES], minlength=256)
+    byte_values = np.arange(256)
+    histogram = np.bincount(byte_values & 0xF, weights=byte_counts, minlength=16)
+    histogram += np.bincount(byte_values >> 4, weights=byte_counts, minlength=16)
+    histogram = histogram.astype(np.int64)
+    count = 2 * flat.size
+    zero = int(histogram[0] + histogram[8])
+    saturated = int(histogram[7] + histogram[15])
+    return CodeStats(
+        count=count,
+        zero_fraction=zero / count if count else 0.0,
+        saturated_fraction=saturated / count if count else 0.0,
+        histogram=tuple(int(h) for h in histogram),
+    )
+
+
+def _decode_scales(scales: np.ndarray, e8m0: bool) -> np.ndarray:
+    if e8m0:
+        exponents = scales.view(np.uint8)
+        is_nan = exponents == 255
+        values = np.exp2(np.where(is_nan, 127, exponents).astype(np.float32) - 127)
+        return np.where(is_nan, np.float32(np.nan), values)
+    return scales.astype(np.float32)
+
+
+def block_scale_statistics(scales: np.ndarray, *, e8m0: bool = False) -> BlockScaleStats:
+    """Range, zero fraction and NaN count of block scales.
+
+    Args:
+        scales: block scales: a float array (float8_e4m3fn for NVFP4), or, with ``e8m0=True``,
+            E8M0 exponent bytes (uint8 or float8_e8m0fnu; value 2**(byte - 127), 255 = NaN).
+        e8m0: interpret ``scales`` as E8M0 exponent bytes.
+
+    Returns:
+        `BlockScaleStats` of the decoded values.
+    """
+    values = _decode_scales(np.asarray(scales), e8m0).reshape(-1)
+    count = values.size
+    nan = np.isnan(values)
+    finite = values[np.isfinite(values)]
+    magnitudes = np.abs(finite[finite != 0])
+    return BlockScaleStats(
+        count=count,
+        min_nonzero=float(magnitudes.min()) if magnitudes.size else None,
+        max=float(finite.max()) if finite.size else None,
+        zero_fraction=float(np.count_nonzero(values == 0)) / count if count else 0.0,
+        nan_count=int(nan.sum()),
+        negative_count=int(np.count_nonzero(values < 0)),
+    )
+
+
+def _logical_shape(info: TensorInfo) -> tuple[int, ...]:
+    if info.dtype == "F4" or not info.shape:
+        return info.shape
+    return info.shape[:-1] + (2 * info.shape[-1],)
+
+
+def _scale_problems(q: QuantizedModule, shape: tuple[int, ...], info: TensorInfo) -> list[str]:
+    mx = q.layout == LAYOUT_CT_MXFP4
+    block = 32 if mx else 16
+    allowed = _E8M0_DTYPES if mx else ("F8_E4M3",)
+    problems = []
+    if info.dtype not in allowed:
+        problems.append(
+            f"block scales {q.block_scales} have dtype {info.dtype}, expected {allowed[0]}"
+        )
+    if not shape or shape[-1] % block:
+        problems.append(
+            f"in={shape[-1] if shape else None} is not a multiple of the block size {block}"
+        )
+    elif info.shape != shape[:-1] + (shape[-1] // block,):
+        expected = list(shape[:-1] + (shape[-1] // block,))
+        problems.append(
+            f"block scales {q.block_scales} have shape {list(info.shape)}, expected "
+            f"{expected} (in/{block}) for logical weight {list(shape)} (packed in/2)"
+        )
+    return problems
+
+
+def _scalar_scale(
+    name: str, info: TensorInfo, read: Callable[[str], np.ndarray], encode: bool
+) -> tuple[float | None, list[str]]:
+    """Reads a tensor-wide scale; returns (decode scale, problems)."""
+    problems = []
+    if info.dtype != "F32":
+        problems.append(f"{name} has dtype {info.dtype}, expected F32")
+    if info.numel != 1:
+        problems.append(f"{name} has shape {list(info.shape)}, expected one element")
+        return None, problems
+    if info.dtype not in _FLOAT_DTYPES:
+        return None, problems
+    value = float(np.asarray(read(name), np.float32).reshape(-1)[0])
+    if not (math.isfinite(value) and value > 0):
+        problems.append(f"{name} = {value} is not a positive finite scale")
+        return None, problems
+    return (1.0 / value if encode else value), problems
+
+
+def inspect_module(
+    q: QuantizedModule,
+    tensors: Mapping[str, TensorInfo],
+    read: Callable[[str], np.ndarray],
+) -> QuantizedTensorReport:
+    """Checks one quantized linear for consistency and measures its codes and scales.
+
+    Args:
+        q: from `detect_quantized_modules`.
+        tensors: tensor name -> `TensorInfo` (must contain ``q.tensor_names``).
+        read: tensor name -> array (e.g. ``functools.partial(read_tensor, header)``).
+
+    Returns:
+        The `QuantizedTensorReport`; problems (wrong scale shape or dtype, NaN or negative
+        scales, missing or non-positive global scale) are listed, never raised.
+    """
+    packed = tensors[q.packed]
+    shape = _logical_shape(packed)
+    problems: list[str] = []
+    block_stats = None
+    if q.block_scales is None:
+        problems.append(f"missing block scales ({q.module}.weight_scale)")
+    else:
+        scale_info = tensors[q.block_scales]
+        problems += _scale_problems(q, shape, scale_info)
+        e8m0 = q.layout == LAYOUT_CT_MXFP4
+        if e8m0 or scale_info.dtype in _FLOAT_DTYPES:
+            block_stats = block_scale_statistics(read(q.block_scales), e8m0=e8m0)
+            if block_stats.nan_count:
+                problems.append(f"{block_stats.nan_count} NaN block scales in {q.block_scales}")
+            if block_stats.negative_count:
+                problems.append(
+                    f"{block_stats.negative_count} negative block scales in {q.block_scales}"
+                )
+    global_decode = None
+    if q.global_scale is not None:
+        encode = q.layout != LAYOUT_MODELOPT_NVFP4
+        global_decode, found = _scalar_scale(q.global_scale, tensors[q.global_scale], read, encode)
+        problems += found
+    elif q.layout != LAYOUT_CT_MXFP4:
+        suffix = "weight_scale_2" if q.layout == LAYOUT_MODELOPT_NVFP4 else "weight_global_scale"
+        problems.append(f"missing global scale ({q.module}.{suffix})")
+    input_decode = None
+    if q.input_scale is not None:
+        encode = q.layout != LAYOUT_MODELOPT_NVFP4
+        input_decode, found = _scalar_scale(q.input_scale, tensors[q.input_scale], read, encode)
+        problems += found
+    codes = code_statistics(np.asarray(read(q.packed)).view(np.uint8))
+    weight_names = (q.packed, q.block_scales, q.global_scale)
+    weight_bytes = sum(tensors[n].nbytes for n in weight_names if n is not None)
+    numel = math.prod(shape)
+    return QuantizedTensorReport(
+        module=q.module,
+        layout=q.layout,
+        shape=shape,
+        tensors=q.tensor_names,
+        weight_bytes=weight_bytes,
+        storage_bytes=sum(tensors[n].nbytes for n in q.tensor_names),
+        bf16_bytes=2 * numel,
+        bits_per_element=8 * weight_bytes / numel if numel else 0.0,
+        block_scales=block_stats,
+        global_decode_scale=global_decode,
+        input_decode_scale=input_decode,
+        codes=codes,
+        problems=tuple(problems),
+    )
