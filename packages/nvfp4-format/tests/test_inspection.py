@@ -247,3 +247,11 @@ def test_problem_missing_and_misshapen_global_scale(tmp_path):
     report = _broken(tmp_path, **{"lin.weight_scale_2": np.ones(3, np.float64)})
     assert "lin.weight_scale_2 has dtype F64, expected F32" in report.problems
     assert "lin.weight_scale_2 has shape [3], expected one element" in report.problems
+
+
+def test_code_statistics_across_many_chunks():
+    packed = np.random.default_rng(7).integers(0, 256, size=(3, 100_003), dtype=np.uint8)
+    stats = code_statistics(packed)
+    codes = _codes(packed)
+    assert stats.histogram == tuple(np.bincount(codes.ravel(), minlength=16))
+    assert stats.saturated_fraction == np.isin(codes, (7, 15)).mean()
