@@ -26,7 +26,8 @@ FULL_CHECK_MAX_TOKENS = 2**28
 def split_documents(documents: Sequence[str], fraction: float) -> tuple[list[str], list[str]]:
     """Splits documents by characters: the last `fraction` of the text becomes validation.
 
-    A document that straddles the boundary is cut, at a line break when it has one before the cut.
+    A document that straddles the boundary is cut, at a line break if one lies within as many
+    characters before the cut as are still to be held out (so at most twice the target is held).
 
     Returns:
         (train_documents, validation_documents), disjoint, together the whole text.
@@ -40,7 +41,7 @@ def split_documents(documents: Sequence[str], fraction: float) -> tuple[list[str
             remaining -= len(last)
             continue
         cut = len(last) - remaining
-        line_break = last.rfind("\n", 0, cut)
+        line_break = last.rfind("\n", max(0, cut - remaining), cut)
         cut = line_break + 1 if line_break > 0 else cut
         train.append(last[:cut])
         held.insert(0, last[cut:])

@@ -20,6 +20,7 @@ import dataclasses
 
 import grain
 import numpy as np
+from absl import flags
 
 from nvfp4_train.data.config import DataConfig
 from nvfp4_train.data.corpus import TokenRange, load_corpus
@@ -49,6 +50,16 @@ def _sequences(tokens: TokenRange, seq_len: int, vocab_size: int) -> PackedSeque
     return PackedSequences(
         tokens.array, tokens.start, tokens.stop, seq_len=seq_len, vocab_size=vocab_size
     )
+
+
+def _allow_unparsed_absl_flags() -> None:
+    """Lets grain worker processes start outside an `absl.app` program.
+
+    Works around google/grain#1355 (fixed after grain 0.2.18): the workers read an absl flag and
+    fail unless flags were parsed. Marking them parsed keeps every flag at its default.
+    """
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def _process_range(length: int, index: int, count: int) -> tuple[int, int]:
@@ -84,6 +95,8 @@ class Datasets:
 
     def train_loader(self) -> grain.DataLoader:
         """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
+        if self.num_workers > 0:
+            _allow_unparsed_absl_flags()
         sampler = grain.samplers.IndexSampler(
             num_records=len(self.train_sequences),
             shard_options=grain.sharding.ShardOptions(
