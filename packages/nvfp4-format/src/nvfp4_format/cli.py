@@ -447,10 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"nvfp4-format: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        print(render_json(reports))
-    else:
-        print("\n".join(render_text(r) for r in reports), end="")
+    text = render_json(reports) + "\n" if args.json else "\n".join(map(render_text, reports))
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `| head`: stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     has_problems = any(q.problems for r in reports for q in r.quantized)
     return EXIT_PROBLEMS if has_problems else EXIT_OK
 
