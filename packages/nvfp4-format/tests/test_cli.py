@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import nvfp4_format as nf
-from nvfp4_format.cli import declared_layouts, inspect_checkpoint, main
+from nvfp4_format.cli import _layout_warning, declared_layouts, inspect_checkpoint, main
 
 HIDDEN, FFN = 32, 64
 LINEARS = {  # name -> (out, in)
@@ -151,6 +151,21 @@ def test_compressed_tensors_with_a_mismatched_declaration(tmp_path, capsys):
     (tmp_path / "hf_quant_config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(CT_CONFIG))
     assert inspect_checkpoint(tmp_path).warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("declared", "found", "warns"),
+    [
+        ((), ("modelopt-nvfp4",), False),  # nothing declared: nothing to compare
+        (("modelopt-nvfp4", "modelopt:FP8"), ("modelopt-nvfp4",), False),  # mixed precision
+        (("fp8",), (), False),
+        (("fp8",), ("modelopt-nvfp4",), True),
+        (("modelopt-nvfp4",), (), True),
+        (("compressed-tensors-mxfp4",), ("compressed-tensors-nvfp4",), True),
+    ],
+)
+def test_layout_warning_compares_the_fp4_part(declared, found, warns):
+    assert bool(_layout_warning(declared, found)) == warns
 
 
 def test_declared_layouts_from_config_files():

@@ -5,6 +5,7 @@ import functools
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors import TensorSpec, serialize_file
 from safetensors.numpy import save_file
 
 import nvfp4_format as nf
@@ -255,3 +256,28 @@ def test_code_statistics_across_many_chunks():
     codes = _codes(packed)
     assert stats.histogram == tuple(np.bincount(codes.ravel(), minlength=16))
     assert stats.saturated_fraction == np.isin(codes, (7, 15)).mean()
+
+
+def test_packed_weight_tagged_f4(tmp_path):
+    """safetensors writes torch's float4_e2m1fn_x2 as dtype F4 with the logical shape."""
+    q = nf.quantize(_weight(4))
+    arrays = {
+        "lin.weight": ("float4_e2m1fn_x2", np.ascontiguousarray(q.packed)),
+        "lin.weight_scale": ("float8_e4m3fn", np.ascontiguousarray(q.block_scales)),
+        "lin.weight_scale_2": ("float32", np.asarray(q.global_scale, np.float32)),
+    }
+    specs = {
+        n: TensorSpec(dtype=d, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+        for n, (d, a) in arrays.items()
+    }
+    path = str(tmp_path / "f4.safetensors")
+    serialize_file(specs, path, {"format": "pt"})
+    header = read_safetensors_header(path)
+    assert header.tensors["lin.weight"].dtype == "F4"
+    assert header.tensors["lin.weight"].shape == (OUT, IN)
+    (module,) = detect_quantized_modules(header.tensors)
+    report = inspect_module(module, header.tensors, functools.partial(read_tensor, header))
+    assert report.layout == LAYOUT_MODELOPT_NVFP4
+    assert report.shape == (OUT, IN)
+    assert report.problems == ()
+    assert report.codes.histogram == tuple(np.bincount(_codes(q.packed).ravel(), minlength=16))
