@@ -229,9 +229,8 @@ class _Loop:
         every = self.cfg.checkpoint.every_steps
         return step == self.cfg.train.steps or bool(every and step % every == 0)
 
-    def _row(self, step: int, window: list, seconds: float, params: Any) -> dict[str, Any]:
-        """The metrics row of the steps in `window` (blocks on them), with `val_loss` if due."""
-        host = jax.device_get(window)
+    def _row(self, step: int, host: list, seconds: float, params: Any) -> dict[str, Any]:
+        """The metrics row of the steps whose host metrics are `host`, with `val_loss` if due."""
         tokens = self.cfg.train.batch_size * self.cfg.train.seq_len * len(host)
         row = summarize_window(
             host, step=step, seconds=seconds, tokens=tokens,
@@ -263,8 +262,9 @@ class _Loop:
                     or step % cfg.train.log_every == 0
                     or step == cfg.train.steps
                 ):
+                    host = jax.device_get(window)  # waits for the window's steps
                     seconds = time.perf_counter() - t_window
-                    rows.append(self._row(step, window, seconds, state.params))
+                    rows.append(self._row(step, host, seconds, state.params))
                     outputs.write(rows[-1])
                     window = []
                 else:
@@ -304,6 +304,8 @@ def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[s
     stream = sys.stdout if stream is None else stream
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
+    if not (run_dir / CHECKPOINT_DIR).is_dir():
+        raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
     datasets = _datasets(cfg)
     cfg = _with_data_vocab(cfg, datasets.vocab_size)
     batches = _eval_batches(cfg, datasets)

@@ -1,0 +1,118 @@
+"""The `nvfp4-train` command line: a real run in a subprocess, then eval, plot, and user errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from nvfp4_train.cli import main
+from nvfp4_train.config import config_from_dict, load_config
+from nvfp4_train.metrics import read_metrics
+from conftest import tiny_config
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nvfp4_train", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """`nvfp4-train run tiny.yaml train.steps=10` in a subprocess (BF16 keeps compilation short)."""
+    root = tmp_path_factory.mktemp("cli")
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(root / "run")))
+    result = _cli("run", str(config), "train.steps=10", "precision.recipe=bf16")
+    assert result.returncode == 0, result.stderr
+    return root / "run", result
+
+
+def test_run_end_to_end(cli_run):
+    run_dir, result = cli_run
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
+    assert losses[-1] < losses[0]
+    assert [r["step"] for r in rows if "val_loss" in r] == [6, 10]
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved.train.steps == 10 and resolved.precision.recipe == "bf16"
+    assert (run_dir / "checkpoints" / "10" / "params").is_dir()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "[10/10] step 10  loss" in result.stdout  # plain log lines when not a terminal
+    assert "run directory:" in result.stdout and "parameters" in result.stdout
+
+
+def test_eval_prints_and_appends(cli_run, capsys):
+    run_dir, _ = cli_run
+    assert main(["eval", str(run_dir)]) == 0
+    assert capsys.readouterr().out.startswith("step 10  val_loss ")
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["source"] == "eval"
+
+
+def test_plot_writes_png(cli_run, tmp_path, capsys):
+    run_dir, _ = cli_run
+    out = tmp_path / "loss.png"
+    assert main(["plot", str(run_dir), str(run_dir), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_show_config_round_trips(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path / "r")))
+    assert main(["show-config", str(config), "model.num_layers=3", "precision.recipe=fp8"]) == 0
+    printed = capsys.readouterr().out
+    expected = config_from_dict(
+        tiny_config(tmp_path / "r"), ["model.num_layers=3", "precision.recipe=fp8"]
+    )
+    again = tmp_path / "again.yaml"
+    again.write_text(printed)
+    assert load_config(again) == expected
+    assert yaml.safe_load(printed)["model"]["num_layers"] == 3
+    assert not (tmp_path / "r").exists()  # showing a config creates nothing
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["show-config", "{cfg}", "train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["show-config", "{cfg}", "train.steps=abc"], "train.steps: expected int, got 'abc'"),
+        (["show-config", "{cfg}", "train.steps"], "override must look like section.key=value"),
+        (["show-config", "{cfg}", "precision.recipe=nvfp5"], "precision.recipe"),
+        (["show-config", "{missing}"], "cannot read config file"),
+        (["run", "{cfg}", "model.zzz=1"], "unknown config key 'model.zzz'"),
+        (["eval", "{tmp}"], "is not a run directory"),
+        (["plot", "{tmp}"], "has no metrics.jsonl"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(args, needle, tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tmp_path / "r")))
+    values = {"cfg": config, "missing": tmp_path / "missing.yaml", "tmp": tmp_path}
+    assert main([a.format(**values) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_user_error_in_subprocess_has_no_traceback(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("trian: {}\n")
+    result = _cli("run", str(config))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: unknown config key 'trian' (did you mean 'train'?); allowed keys: "
+        "output_dir, model, precision, optimizer, data, train, checkpoint, logging"
+    ]
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["run"])
+    assert e.value.code == 2
