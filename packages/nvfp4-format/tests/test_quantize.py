@@ -84,6 +84,131 @@ def test_global_amax_different_from_the_tensor_amax(factor):
         assert np.isin(np.asarray(a.codes()), [7, 15]).mean() > 0.05
 
 
+# ----------------------------------------------------------------------------- golden vectors
+# Derived by hand from spec section 2 (f32(1/6) = 0x3E2AAAAB = 0.16666667163...).
+# E4M3 bytes: 448 = 1.75*2^8 -> 0|1111|110 = 0x7E; 256 = 2^8 -> 0x78; 1.125 = 1.125*2^0 -> 0x39;
+# 1.0 -> 0x38; 2^-9 (smallest subnormal) -> 0x01.
+
+
+def _bytes(a: NVFP4Array) -> tuple[list, list, float]:
+    return (
+        np.asarray(a.packed).tolist(),
+        np.asarray(a.block_scales).view(np.uint8).tolist(),
+        float(np.asarray(a.global_scale)),
+    )
+
+
+def test_golden_one_block_every_code():
+    """x = the 16 grid values in code order (amax 6).
+
+    s_enc = 2688/6 = 448 exactly; s_dec = f32(1/448).
+    sb: 448 * f32(1/6) = f32(74.666672), * 6 = 448.00003 -> clip 448 -> E4M3 448 (0x7E).
+    enc_b = 1 / f32(448 * f32(1/448)) = 1/1 = 1 (the product's error is below half an ulp of 1).
+    codes 0..15 -> bytes c[2j] | c[2j+1] << 4 = 0x10, 0x32, ..., 0xFE.
+    """
+    x = np.array([[0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]], np.float32)
+    packed, scales, gs = _bytes(quantize(x))
+    assert packed == [[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]]
+    assert scales == [[0x7E]]
+    assert gs == float(np.float32(1) / np.float32(448))
+
+
+def test_golden_ties_under_a_power_of_two_scale():
+    """Two blocks; tensor amax 5.25 so s_enc = 2688/5.25 = 512, s_dec = 2^-9 (both exact).
+
+    s_enc * f32(1/6) = f32(85.333336).
+    Block 0, amax 5.25: 5.25 * 85.333336 = 448.0 -> sb 448 (0x7E); enc_b = f32(1/(448*2^-9))
+      = f32(8/7) = 1.1428572: 5.25 -> 6.0000005 -> clip 6 (code 7), -5.25 -> code 15,
+      1.75 -> 2 (4), -1.75 -> -2 (12), 0.875 -> 1 (2), 2.625 -> 3 (5), 3.5 -> 4 (6), zeros -> 0.
+      bytes: 7|15<<4 = 0xF7, 4|12<<4 = 0xC4, 2|5<<4 = 0x52, 6 = 0x06, then 0.
+    Block 1, amax 3: 3 * 85.333336 = 256.00001 -> f32 256.0 -> sb 256 (0x78); enc_b = 1/(256*2^-9)
+      = 2 exactly, so x*2 hits every tie of spec section 1 exactly:
+      [6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, -6]
+      -> codes [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 15]
+      -> bytes 0x07, 0x22, 0x44, 0x66, 0xA8, 0xCA, 0xEC, 0xFE.
+    dequantize block 1 = value(code) * 256 * 2^-9 = value / 2.
+    """
+    x = np.zeros((2, 16), np.float32)
+    x[0, :7] = [5.25, -5.25, 1.75, -1.75, 0.875, 2.625, 3.5]
+    ties = [0.125, 0.375, 0.625, 0.875, 1.25, 1.75, 2.5]
+    x[1] = [3.0, *ties, *(-t for t in ties), -3.0]
+    a = quantize(x)
+    packed, scales, gs = _bytes(a)
+    assert packed[0] == [0xF7, 0xC4, 0x52, 0x06, 0, 0, 0, 0]
+    assert packed[1] == [0x07, 0x22, 0x44, 0x66, 0xA8, 0xCA, 0xEC, 0xFE]
+    assert scales == [[0x7E], [0x78]]
+    assert gs == 2.0**-9
+    dq1 = [3, 0, 0.5, 0.5, 1, 1, 2, 2, -0.0, -0.5, -0.5, -1, -1, -2, -2, -3]
+    assert np.asarray(dequantize(a))[1].tolist() == dq1
+
+
+def test_golden_subnormal_scale_and_flushed_block():
+    """Tensor amax 5.25 again (s_enc 512, s_dec 2^-9, s_enc/6 = 85.333336).
+
+    Row 1, amax 2^-16: 2^-16 * 85.333336 = 1.30e-3 = 0.667 * 2^-9 -> nearest E4M3 is the
+      subnormal 2^-9 (0x01); enc_b = 1/(2^-9 * 2^-9) = 2^18:
+      [2^-16, -2^-16, 2^-17, 2^-18, 2^-19] -> [4, -4, 2, 1, 0.5] -> codes [6, 14, 4, 2, 1]
+      -> bytes 6|14<<4 = 0xE6, 4|2<<4 = 0x24, 1 = 0x01.
+    Row 2, amax 2^-17: 6.5e-4 < 2^-10 (half the smallest subnormal) -> sb 0 -> flushed: codes 0
+      (also for the negative value: the documented deviation).
+    """
+    x = np.zeros((3, 16), np.float32)
+    x[0, 0] = 5.25
+    x[1, :5] = [2.0**-16, -(2.0**-16), 2.0**-17, 2.0**-18, 2.0**-19]
+    x[2, :2] = [2.0**-17, -(2.0**-17)]
+    a = quantize(x)
+    packed, scales, gs = _bytes(a)
+    assert packed == [[0x07] + [0] * 7, [0xE6, 0x24, 0x01] + [0] * 5, [0] * 8]
+    assert scales == [[0x7E], [0x01], [0x00]]
+    assert gs == 2.0**-9
+    dq = np.asarray(dequantize(a))
+    assert dq[1, :5].tolist() == x[1, :5].tolist()
+    assert dq[2].tolist() == [0.0] * 16
+
+
+def test_golden_scale_rounding_uses_the_rounded_scale():
+    """global_amax = 2688 -> s_enc = 1, s_dec = 1.
+
+    Row 0, amax 7: 7 * f32(1/6) = 1.1666666 -> E4M3 neighbours 1.125 / 1.25 -> 1.125 (0x39);
+      enc_b = 1/1.125 = 0.8888889: 7 -> 6.22 -> clip 6 (7); 5 -> 4.44 -> 4 (6);
+      1.6875 -> 1.5 (3); -0.5625 -> -0.5 (9). bytes 7|6<<4 = 0x67, 3|9<<4 = 0x93.
+    Row 1, amax 6.375: 6.375 * f32(1/6) = 1.06250003 -> f32 1.0625, the E4M3 tie between 1 and
+      1.125 -> even mantissa -> 1.0 (0x38); enc_b = 1: 6.375 -> clip 6 (7), 0.75 -> tie -> 1 (2).
+      byte 7|2<<4 = 0x27.
+    """
+    x = np.zeros((2, 16), np.float32)
+    x[0, :4] = [7.0, 5.0, 1.6875, -0.5625]
+    x[1, :2] = [6.375, 0.75]
+    a = quantize(x, global_amax=2688.0)
+    packed, scales, gs = _bytes(a)
+    assert packed == [[0x67, 0x93] + [0] * 6, [0x27] + [0] * 7]
+    assert scales == [[0x39], [0x38]]
+    assert gs == 1.0
+    assert np.asarray(dequantize(a))[0, :4].tolist() == [6.75, 4.5, 1.6875, -0.5625]
+
+
+def test_golden_16x16_tiles():
+    """x [16, 32], two 16x16 tiles; tensor amax 5.25 (s_enc 512, s_dec 2^-9).
+
+    Tile 0 amax 5.25 -> sb 448 (0x7E), enc_b = f32(8/7): x[0,0] = 5.25 -> 6 (7);
+      x[15,15] = -2.625 -> -3 (13).
+    Tile 1 amax 3 -> sb 256 (0x78), enc_b = 2: x[5,19] = 3 -> 6 (7); x[10,30] = 0.375 -> 0.75 -> 1
+      (2); x[10,31] = -0.625 -> -1.25 -> tie -> -1 (10).
+    packed [16, 16]: row 0 byte 0 = 0x07; row 5 byte 9 (cols 18, 19) = 0 | 7<<4 = 0x70;
+      row 10 byte 15 = 2 | 10<<4 = 0xA2; row 15 byte 7 (cols 14, 15) = 0 | 13<<4 = 0xD0.
+    scales [16, 2]: [0x7E, 0x78] on every row (the tile's scale repeated over its rows).
+    """
+    x = np.zeros((16, 32), np.float32)
+    x[0, 0], x[15, 15] = 5.25, -2.625
+    x[5, 19], x[10, 30], x[10, 31] = 3.0, 0.375, -0.625
+    packed, scales, gs = _bytes(quantize(x, block_shape=(16, 16)))
+    expect = np.zeros((16, 16), np.uint8)
+    expect[0, 0], expect[5, 9], expect[10, 15], expect[15, 7] = 0x07, 0x70, 0xA2, 0xD0
+    assert packed == expect.tolist()
+    assert scales == [[0x7E, 0x78]] * 16
+    assert gs == 2.0**-9
+
+
 # ----------------------------------------------------------------------------- E4M3 / E2M1 exhaustive
 def test_every_finite_e4m3_value_round_trips_as_a_block_scale():
     """Block b has amax 6*v_b for every finite non-negative E4M3 value v_b.
