@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import nvfp4_format as nf
-from nvfp4_format.cli import _layout_warning, declared_layouts, inspect_checkpoint, main
+from nvfp4_format.checkpoint_report import _layout_warning, declared_layouts, inspect_checkpoint
+from nvfp4_format.cli import main
 
 HIDDEN, FFN = 32, 64
 LINEARS = {  # name -> (out, in)

@@ -10,6 +10,8 @@ Example:
   True
 """
 
+from nvfp4_format._pytree import register_jax_pytrees
+from nvfp4_format.checkpoint_report import CheckpointReport, inspect_checkpoint
 from nvfp4_format.e2m1 import E2M1_MAX, E2M1_VALUES, decode_e2m1, encode_e2m1
 from nvfp4_format.mxfp4 import MXFP4Array, dequantize_mxfp4, quantize_mxfp4
 from nvfp4_format.nvfp4 import (
@@ -22,11 +24,13 @@ from nvfp4_format.nvfp4 import (
     quantize,
 )
 from nvfp4_format.packing import pack_fp4, unpack_fp4
+from nvfp4_format.safetensors_file import load_safetensors, read_safetensors_header, read_tensor
 from nvfp4_format.swizzle import swizzle_scales, unswizzle_scales
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointReport",
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
@@ -39,9 +43,14 @@ __all__ = [
     "global_decode_scale",
     "global_encode_scale",
     "has_nonfinite",
+    "inspect_checkpoint",
+    "load_safetensors",
     "pack_fp4",
     "quantize",
     "quantize_mxfp4",
+    "read_safetensors_header",
+    "read_tensor",
+    "register_jax_pytrees",
     "swizzle_scales",
     "unpack_fp4",
     "unswizzle_scales",

@@ -30,6 +30,9 @@ def is_jax_array(x: Any) -> bool:
 def namespace(*arrays: Any) -> ModuleType:
     """`jax.numpy` if any argument is a JAX array, else `numpy`."""
     if any(is_jax_array(a) for a in arrays):
+        from nvfp4_format._pytree import register_jax_pytrees
+
+        register_jax_pytrees()  # results are containers that must cross jit boundaries
         return sys.modules["jax.numpy"]
     return np
 
