@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -103,7 +104,9 @@ def dot_general(
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 5, 6))
 def _canonical_dot(lhs, rhs, layout, recipe, key, backend, out_dtype) -> jax.Array:
+    """Canonicalise, pad, run the quantized custom_vjp, restore the layout (one jit per shape)."""
     b, m, k, n = layout.bmkn
     a = recipe.alignment
     cfg = GemmConfig(recipe, backend, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
