@@ -83,6 +83,17 @@ def test_tiny_amax_identical_bytes():
         _same(nf.dequantize(got), nf.dequantize(want), f"dequantize amax={amax}")
 
 
+def test_subnormal_elements_in_a_normal_tensor_identical_bytes():
+    """Subnormal inputs (e.g. tiny gradients) inside normal-scale blocks: codes 0 / 8 both ways."""
+    x = ref.sample("normal", (2, 32), np.float32, 110)
+    x[0, 3], x[1, 5], x[1, 6] = -1e-40, 1e-41, -0.0
+    want = nf.quantize(x)
+    _same_nvfp4(_jit_quantize((1, 16))(jnp.asarray(x)), want)
+    assert np.asarray(want.codes())[0, 3] == 8 and np.asarray(want.codes())[1, 5] == 0
+    m = nf.quantize_mxfp4(x)
+    _same(_jit_quantize_mxfp4("ocp")(jnp.asarray(x)).packed, m.packed)
+
+
 @pytest.mark.parametrize("amax", [1e-35, 1e-36, 1e-40])
 def test_subnormal_global_scale_identical_bytes(amax):
     """amax < 2688 * 2^-126 (~3.2e-35) makes s_dec = 1/s_enc a float32 subnormal; below ~7.9e-36

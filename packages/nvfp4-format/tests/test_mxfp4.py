@@ -134,3 +134,14 @@ def test_ceil_never_clips_and_ocp_lands_in_four_to_eight():
     e_ocp = np.asarray(quantize_mxfp4(x, scale_rule="ocp").scales).astype(np.float64) - 127
     assert (amax <= 6 * 2.0**e_ceil).all() and (amax > 3 * 2.0**e_ceil).all()
     assert (amax >= 4 * 2.0**e_ocp).all() and (amax < 8 * 2.0**e_ocp).all()
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_dequantize_dtype(out_dtype):
+    x = ref.sample("normal", (2, 64), np.float32, 29)
+    a = quantize_mxfp4(x, "ceil")
+    codes, scales = ref.quantize_mxfp4(x, "ceil")
+    dq = np.asarray(dequantize_mxfp4(a, dtype=out_dtype))
+    assert dq.dtype == np.dtype(out_dtype)
+    expect = ref.dequantize_mxfp4(codes, scales).astype(out_dtype)
+    np.testing.assert_array_equal(as_bytes(dq), as_bytes(expect))
