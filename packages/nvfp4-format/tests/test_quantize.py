@@ -11,7 +11,17 @@ import pytest
 import reference as ref
 from reference import as_bytes
 
-from nvfp4_format import NVFP4Array, dequantize, quantize, unpack_fp4
+from nvfp4_format import (
+    E2M1_MAX,
+    E4M3_MAX,
+    NVFP4Array,
+    dequantize,
+    global_decode_scale,
+    global_encode_scale,
+    has_nonfinite,
+    quantize,
+    unpack_fp4,
+)
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -376,3 +386,37 @@ def test_dequantize_dtype(out_dtype):
     assert dq.dtype == np.dtype(out_dtype)
     expect = ref.dequantize(codes, scales, s_dec).astype(out_dtype)
     np.testing.assert_array_equal(as_bytes(dq), as_bytes(expect))
+
+
+# ----------------------------------------------------------------------------- scales and the reference
+@pytest.mark.parametrize(
+    "amax", [0.0, 1e-40, 1e-36, 1e-30, 0.1, 1.0, 5.25, 6.0, 2688.0, 1e30, 3e38]
+)
+def test_global_scale_functions(amax):
+    s_enc, s_dec = ref.global_scales(np.float32(amax))
+    got_enc = np.asarray(global_encode_scale(np.float32(amax)))
+    got_dec = np.asarray(global_decode_scale(np.float32(amax)))
+    assert got_enc.dtype == np.float32 and got_dec.dtype == np.float32
+    assert as_bytes(got_enc).tolist() == as_bytes(s_enc).tolist(), (got_enc, s_enc)
+    assert as_bytes(got_dec).tolist() == as_bytes(s_dec).tolist(), (got_dec, s_dec)
+
+
+def test_constants():
+    assert (float(E2M1_MAX), float(E4M3_MAX)) == (6.0, 448.0)
+
+
+def test_reference_e4m3_rounding_matches_ml_dtypes():
+    """Validates the reference itself: its table-based E4M3 RNE equals ml_dtypes' cast."""
+    rng = np.random.default_rng(91)
+    pos = ref.E4M3_POS
+    mids = (pos[1:] + pos[:-1]) / 2
+    v = np.concatenate([pos, mids, rng.uniform(0, 448, 4000), np.exp2(rng.uniform(-12, 8.8, 4000))])
+    v = np.clip(v.astype(np.float32), 0, 448)
+    v = np.concatenate([v, np.nextafter(v, np.float32(0)), np.nextafter(v, np.float32(448))])
+    want = v.astype(E4M3).astype(np.float64)
+    got = np.array([ref.e4m3_round(float(t)) for t in v])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_has_nonfinite_is_false_for_numpy_results():
+    assert not bool(has_nonfinite(quantize(ref.sample("cauchy", (4, 32), np.float32, 92))))
