@@ -390,9 +390,10 @@ def test_dequantize_dtype(out_dtype):
 
 # ----------------------------------------------------------------------------- scales and the reference
 @pytest.mark.parametrize(
-    "amax", [0.0, 1e-40, 1e-36, 1e-30, 0.1, 1.0, 5.25, 6.0, 2688.0, 1e30, 3e38]
+    "amax", [0.0, 1e-40, 1e-36, 1e-30, 0.1, 0.3, 0.7, 0.013, 1.0, 5.25, 6.0, 2688.0, 1e30, 3e38]
 )
 def test_global_scale_functions(amax):
+    """s_dec = 1/s_enc, not amax/2688: the two differ in the last bit for 1e-30, 0.3, 0.7, 0.013."""
     s_enc, s_dec = ref.global_scales(np.float32(amax))
     got_enc = np.asarray(global_encode_scale(np.float32(amax)))
     got_dec = np.asarray(global_decode_scale(np.float32(amax)))
