@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -37,14 +39,22 @@ def fake_quantize(
       ((20,), True)
     """
     tq = TensorQuant(fmt, block_shape, rounding)
+    x = jnp.asarray(x)
     if x.ndim < (2 if tq.is_2d else 1):
         raise ValueError(f"x needs at least {2 if tq.is_2d else 1} dimensions, got shape {x.shape}")
-    with jax.named_scope(f"nvfp4/fake_quantize_{fmt}"):
+    if tq.rounding == "stochastic" and key is None:
+        raise ValueError(f"rounding='stochastic' for {tq} needs a PRNG key, got key=None")
+    return _fake_quantize(x, tq, key)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fake_quantize(x: jax.Array, tq: TensorQuant, key: jax.Array | None) -> jax.Array:
+    with jax.named_scope(f"nvfp4/fake_quantize_{tq.fmt}"):
         multiples = [1] * x.ndim
         multiples[-1] = tq.block_size
         if tq.is_2d:
             multiples[-2] = 16
-        padded = pad_to(jnp.asarray(x), tuple(multiples))
+        padded = pad_to(x, tuple(multiples))
         q = quantize_operand(padded, tq, key)
         out = dequantize_operand(q, tq, jnp.float32)
         return out[tuple(slice(0, s) for s in x.shape)].astype(x.dtype)
