@@ -60,7 +60,7 @@ def init_state(
     recipes = layer_recipes(model_cfg, cfg.precision)
     model = Llama(model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed))
     graphdef, model_state = nnx.split(model)
-    params = model_state.to_pure_dict()
+    params = nnx.to_pure_dict(model_state)
     optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
@@ -130,7 +130,7 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads) / loss_scale,
+            "grad_norm": global_norm(grads) / loss_scale,
             "lr": schedule(state.step),
             "skipped": last_step_skipped(opt_state).astype(jnp.int32),
             "skipped_total": skipped_steps(opt_state),
@@ -154,6 +154,12 @@ def make_eval_step(cfg, graphdef: nnx.GraphDef) -> Callable[[Any, Batch], tuple[
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step
+
+
+def global_norm(tree) -> jax.Array:
+    """float32 L2 norm over all leaves of `tree`."""
+    squares = [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares))
 
 
 def count_params(params) -> int:

@@ -1,0 +1,194 @@
+"""The train and eval steps on a tiny model: every recipe trains, reruns are bit-identical,
+gradient accumulation and loss scaling change nothing, non-finite steps are skipped."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.step import (
+    TrainState,
+    count_params,
+    init_state,
+    make_eval_step,
+    make_train_step,
+)
+
+RECIPES = [
+    "nvfp4",
+    "nvfp4-no-rht",
+    "nvfp4-no-sr",
+    "nvfp4-no-2d",
+    "nvfp4-naive",
+    "mxfp4",
+    "fp8",
+    "bf16",
+]
+
+
+@functools.cache
+def run_config(recipe="nvfp4", dtype="bfloat16", accum=1, loss_scaling="none", vocab=256):
+    """A 2-layer model with EVERY linear on `recipe` (no BF16 layers), constant lr 1e-2."""
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": vocab, "d_model": 64, "num_layers": 2, "num_heads": 4,
+                "num_kv_heads": 2, "mlp_dim": 128, "max_seq_len": 32, "dtype": dtype,
+            },
+            "precision": {
+                "recipe": recipe, "bf16_first_layers": 0, "bf16_last_layers": 0,
+                "loss_scaling": loss_scaling, "initial_loss_scale": 1024.0,
+            },
+            "optimizer": {"learning_rate": 1e-2, "schedule": "constant", "warmup_steps": 0},
+            "train": {"steps": 20, "seed": 7, "batch_size": 4, "seq_len": 32, "grad_accum_steps": accum},
+        }
+    )  # fmt: skip
+
+
+@functools.cache
+def compiled(cfg):
+    """(graphdef, jitted train_step) for a config; compiled once per test session."""
+    graphdef, _ = init_state(cfg)
+    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
+    return graphdef, jax.jit(step, donate_argnums=0)
+
+
+def fixed_batch(vocab=256):
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, vocab, dtype=jnp.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def train(cfg, steps: int, state: TrainState | None = None):
+    _, step = compiled(cfg)
+    state = init_state(cfg)[1] if state is None else state
+    losses, batch = [], fixed_batch()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses, metrics
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_trains_and_loss_falls(recipe):
+    cfg = run_config(recipe)
+    _, initial = init_state(cfg)
+    initial_params = jax.tree.map(np.asarray, initial.params)
+    state, losses, metrics = train(cfg, 12, initial)
+    assert int(state.step) == 12
+    assert set(metrics) >= {"loss", "grad_norm", "lr", "skipped"}
+    assert all(np.isfinite(losses)) and float(metrics["grad_norm"]) > 0
+    assert int(metrics["skipped"]) == 0 and float(metrics["lr"]) == pytest.approx(1e-2)
+    assert abs(losses[0] - np.log(256)) < 0.3  # starts near uniform
+    assert losses[-1] < losses[0] - 1.0, losses
+    kernel = state.params["layers"]["0"]["mlp"]["down"]["kernel"]
+    assert not np.array_equal(kernel, initial_params["layers"]["0"]["mlp"]["down"]["kernel"])
+    assert kernel.dtype == jnp.float32
+
+
+def test_rerun_is_bit_identical_with_stochastic_rounding():
+    cfg = run_config("nvfp4")
+    state_a, losses_a, _ = train(cfg, 5)
+    state_b, losses_b, _ = train(cfg, 5)
+    assert losses_a == losses_b
+    jax.tree.map(np.testing.assert_array_equal, state_a.params, state_b.params)
+
+
+@pytest.mark.parametrize(("recipe", "differs"), [("nvfp4", True), ("nvfp4-no-sr", False)])
+def test_rounding_key_comes_from_the_step_number(recipe, differs):
+    """Same params and batch at steps 0 and 3 (constant lr): only SR makes the updates differ."""
+    cfg = run_config(recipe)
+    _, step = compiled(cfg)
+    _, state = init_state(cfg)
+    copy = functools.partial(jax.tree.map, jnp.array)
+    at_zero, _ = step(copy(state), fixed_batch())
+    at_three, _ = step(copy(state._replace(step=jnp.int32(3))), fixed_batch())
+    same = jax.tree.all(jax.tree.map(jnp.array_equal, at_zero.params, at_three.params))
+    assert same is not differs
+
+
+def sgd_gradient(cfg):
+    """The gradient a train step computes: its update under plain SGD with lr 1."""
+    graphdef, state = init_state(cfg)
+    sgd = optax.sgd(1.0)
+    step = jax.jit(make_train_step(cfg, graphdef, sgd))
+    before = jax.tree.map(np.asarray, state.params)
+    state = state._replace(opt_state=sgd.init(state.params))
+    new, metrics = step(state, fixed_batch())
+    return jax.tree.map(lambda b, a: b - np.asarray(a), before, new.params), metrics
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    grads_one, m_one = sgd_gradient(run_config("bf16", "float32", accum=1))
+    grads_two, m_two = sgd_gradient(run_config("bf16", "float32", accum=2))
+    np.testing.assert_allclose(m_one["loss"], m_two["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_one["grad_norm"], m_two["grad_norm"], rtol=1e-5)
+    assert float(m_one["grad_norm"]) > 0
+    jax.tree.map(
+        functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7), grads_one, grads_two
+    )
+
+
+def test_dynamic_loss_scaling_gives_the_same_training():
+    plain, losses_plain, _ = train(run_config("bf16", "float32"), 3)
+    scaled, losses_scaled, metrics = train(run_config("bf16", "float32", loss_scaling="dynamic"), 3)
+    assert float(metrics["loss_scale"]) == 1024.0
+    np.testing.assert_allclose(losses_plain, losses_scaled, rtol=1e-5)
+    jax.tree.map(
+        functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+        plain.params,
+        scaled.params,
+    )
+
+
+def test_nonfinite_gradients_skip_the_step():
+    cfg = run_config("bf16", "float32")
+    _, step = compiled(cfg)
+    _, state = init_state(cfg)
+    params = jax.tree.map(np.array, state.params)  # writable copies
+    params["final_norm"]["scale"][3] = np.nan  # every gradient becomes NaN
+    poisoned = state._replace(params=jax.tree.map(jnp.asarray, params))
+    opt_before = jax.tree.map(np.asarray, state.opt_state)
+    new, metrics = step(poisoned, fixed_batch())
+    assert int(metrics["skipped"]) == 1 and int(metrics["skipped_total"]) == 1
+    assert int(new.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new.params), params)
+    inner = jax.tree.map(np.asarray, new.opt_state.inner_state)
+    jax.tree.map(np.testing.assert_array_equal, inner, opt_before.inner_state)
+
+
+def test_eval_step_matches_train_loss():
+    cfg = run_config("bf16", "float32")
+    graphdef, _ = compiled(cfg)
+    _, state = init_state(cfg)
+    loss_sum, count = jax.jit(make_eval_step(cfg, graphdef))(state.params, fixed_batch())
+    _, _, metrics = train(cfg, 1, state)
+    assert int(count) == 4 * 32 and count.dtype == jnp.int32
+    np.testing.assert_allclose(float(loss_sum) / int(count), float(metrics["loss"]), rtol=1e-6)
+
+
+def test_count_params_and_vocab_from_data():
+    cfg = run_config(vocab=0)
+    with pytest.raises(ValueError, match="vocab_size must be > 0"):
+        init_state(cfg)
+    _, state = init_state(cfg, vocab_size=256)
+    d, v, mlp, qkv = 64, 256, 128, (4 + 2 * 2) * 16
+    per_layer = 2 * d + d * qkv + 64 * d + d * 2 * mlp + mlp * d
+    assert count_params(state.params) == v * d + 2 * per_layer + d + d * v
+    assert int(state.step) == 0 and state.step.dtype == jnp.int32
+
+
+def test_batch_must_split_into_microbatches():
+    cfg = run_config("bf16", "float32", accum=2)
+    graphdef, _ = compiled(cfg)
+    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
+    _, state = init_state(cfg)
+    batch = jax.tree.map(lambda x: x[:3], fixed_batch())
+    with pytest.raises(ValueError, match="multiple of train.grad_accum_steps=2, got batch size 3"):
+        step(state, batch)
