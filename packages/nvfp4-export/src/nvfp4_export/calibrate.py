@@ -1,0 +1,77 @@
+"""Activation amax for W4A4 input scales: from training's `quant_stats`, or a calibration pass.
+
+Calibration runs the NumPy forward (`forward.py`, activations quantized as in training) over N
+sequences and records max |x| at each quantized linear's input. The sequences are, in order of
+preference: `max_seq_len`-token windows of a user text file tokenized with the run's
+tokenizer.json (`calibration_text`), else the checkpoint's `reference` tokens (held-out
+validation sequences written by training). Fused linears share one input, so one amax each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from nvfp4_export.errors import ExportError
+from nvfp4_export.forward import ForwardWeights, forward
+
+
+def amax_from_stats(quant_stats: dict | None, paths: list[str]) -> dict[str, float]:
+    """`quant_stats.activation_amax` restricted to `paths` (empty when absent).
+
+    Raises:
+        ExportError: a listed amax that is not a finite number >= 0.
+    """
+    stats = (quant_stats or {}).get("activation_amax") or {}
+    out = {}
+    for path in paths:
+        if path in stats:
+            value = float(stats[path])
+            if not np.isfinite(value) or value < 0:
+                raise ExportError(
+                    f"quant_stats.activation_amax[{path!r}] must be finite >= 0, got {value}"
+                )
+            out[path] = value
+    return out
+
+
+def text_sequences(text_file: Path, tokenizer_dir: Path | None, n: int, length: int) -> np.ndarray:
+    """int32 [n', length] windows (n' <= n) of `text_file` encoded with the run's tokenizer."""
+    if tokenizer_dir is None:
+        raise ExportError("--calibration-text needs the run's tokenizer/ directory; none found")
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    ids = np.asarray(tok.encode(text_file.read_text(encoding="utf-8")).ids, dtype=np.int32)
+    count = min(n, ids.size // length)
+    if count < 1:
+        raise ExportError(
+            f"calibration text {str(text_file)!r} has {ids.size} tokens, fewer than one "
+            f"sequence of {length}"
+        )
+    return ids[: count * length].reshape(count, length)
+
+
+def calibration_tokens(
+    n: int, reference: dict | None, text_file: Path | None, tokenizer_dir: Path | None, length: int
+) -> np.ndarray:
+    """The N calibration sequences (see the module docstring for where they come from)."""
+    if n < 1:
+        raise ExportError(f"--calibrate must be >= 1 sequences, got {n}")
+    if text_file is not None:
+        return text_sequences(Path(text_file), tokenizer_dir, n, length)
+    if reference is not None:
+        return reference["tokens"][:n]
+    raise ExportError(
+        "--calibrate needs sequences: pass --calibration-text FILE (tokenized with the run's "
+        "tokenizer) or export a checkpoint that holds the 'reference' item"
+    )
+
+
+def calibrate(weights: ForwardWeights, tokens_NxL: np.ndarray, batch: int = 4) -> dict[str, float]:
+    """max |x| at each linear's input over `tokens_NxL`, running the model as trained."""
+    amax: dict[str, float] = {}
+    for start in range(0, tokens_NxL.shape[0], batch):
+        forward(weights, tokens_NxL[start : start + batch], activations="dynamic", amax_out=amax)
+    return amax

@@ -1,0 +1,213 @@
+"""Read a training checkpoint through its on-disk schema (docs/export.md, "What export reads").
+
+A run directory holds `config.yaml`, `tokenizer/` and `checkpoints/<step>/`; each step directory holds
+orbax items: `params` (PyTree of float32 master weights), `config` (JSON, the resolved config) and,
+optionally, `quant_stats` (JSON) and `reference` (PyTree). Only orbax's own readers are used: this
+module never imports the training package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nvfp4_export.errors import ExportError
+
+PARAMS_ITEM = "params"
+CONFIG_ITEM = "config"
+QUANT_STATS_ITEM = "quant_stats"
+REFERENCE_ITEM = "reference"
+CHECKPOINTS_DIR = "checkpoints"
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    """Where one checkpoint lies.
+
+    Attributes:
+        step_dir: `.../checkpoints/<step>` (holds the orbax items).
+        step: the step (the directory's name).
+        run_dir: the run directory above it, or None when the layout is not a run's.
+    """
+
+    step_dir: Path
+    step: int
+    run_dir: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint's contents as NumPy data.
+
+    Attributes:
+        ref: where it was read from.
+        params: flat dict, dotted path (`layers.0.attn.qkv.kernel`) -> float32 array.
+        config: the resolved training config (plain data).
+        quant_stats: the optional `quant_stats` item (`recipes`, `activation_amax`), or None.
+        reference: the optional `reference` item (`tokens` int32 [n, L], `logits` float32 [n, L, V]),
+            or None.
+    """
+
+    ref: CheckpointRef
+    params: dict[str, np.ndarray]
+    config: dict[str, Any]
+    quant_stats: dict[str, Any] | None
+    reference: dict[str, np.ndarray] | None
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The run's `tokenizer/` directory, or None when there is none."""
+        run_dir = self.ref.run_dir
+        if run_dir is None or not (run_dir / TOKENIZER_DIR).is_dir():
+            return None
+        return run_dir / TOKENIZER_DIR
+
+
+def _steps(checkpoints_dir: Path) -> list[int]:
+    """Completed step directories (integer names; orbax's temporary directories are skipped)."""
+    steps = []
+    for child in checkpoints_dir.iterdir():
+        if child.is_dir() and child.name.isdigit() and (child / PARAMS_ITEM).is_dir():
+            steps.append(int(child.name))
+    return sorted(steps)
+
+
+def resolve_checkpoint(path: str | Path, step: int | None = None) -> CheckpointRef:
+    """Finds the checkpoint for a run directory, a `checkpoints/` directory or a step directory.
+
+    Args:
+        path: a run directory, its `checkpoints/` directory, or one `checkpoints/<step>/`.
+        step: the step to use (default: the newest); must match when `path` is a step directory.
+
+    Raises:
+        ExportError: nothing usable at `path`, or no checkpoint at `step`.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"checkpoint path {str(path)!r} does not exist")
+    if (path / PARAMS_ITEM).is_dir():
+        if not path.name.isdigit():
+            raise ExportError(f"step directory name must be the step number, got {path.name!r}")
+        if step is not None and step != int(path.name):
+            raise ExportError(f"--step {step} does not match the step directory {str(path)!r}")
+        run_dir = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
+        return CheckpointRef(path, int(path.name), run_dir)
+    checkpoints_dir, run_dir = path / CHECKPOINTS_DIR, path
+    if not checkpoints_dir.is_dir():
+        checkpoints_dir, run_dir = path, (path.parent if path.name == CHECKPOINTS_DIR else None)
+    steps = _steps(checkpoints_dir)
+    if not steps:
+        raise ExportError(
+            f"no checkpoint under {str(path)!r}: expected a run directory with "
+            f"checkpoints/<step>/params, a checkpoints/ directory, or a step directory"
+        )
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise ExportError(f"no checkpoint at step {chosen} under {str(path)!r}; have steps {steps}")
+    return CheckpointRef(checkpoints_dir / str(chosen), chosen, run_dir)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    if isinstance(tree, dict):
+        flat: dict[str, np.ndarray] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: np.asarray(tree)}
+
+
+def _restore_pytree(item_dir: Path) -> Any:
+    """An orbax PyTree item as nested dicts of NumPy arrays (no target needed)."""
+    import jax  # orbax needs JAX; imported here so `import nvfp4_export` stays light
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(item_dir)
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(item_dir, restore_args=args)
+
+
+def _restore_json(item_dir: Path) -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(item_dir)
+
+
+def _read_item(step_dir: Path, name: str, reader, *, required: bool) -> Any:
+    item_dir = step_dir / name
+    if not item_dir.is_dir():
+        if required:
+            raise ExportError(f"checkpoint {str(step_dir)!r} has no {name!r} item")
+        return None
+    try:
+        return reader(item_dir)
+    except Exception as err:  # orbax raises many types for a damaged item
+        raise ExportError(
+            f"checkpoint item {str(item_dir)!r} cannot be read (missing or corrupt files?): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+
+
+def _config(ref: CheckpointRef) -> dict[str, Any]:
+    config = _read_item(ref.step_dir, CONFIG_ITEM, _restore_json, required=False)
+    if config is not None:
+        return config
+    yaml_file = ref.run_dir / "config.yaml" if ref.run_dir else None
+    if yaml_file is None or not yaml_file.is_file():
+        raise ExportError(
+            f"checkpoint {str(ref.step_dir)!r} has no 'config' item and no run config.yaml"
+        )
+    import yaml
+
+    return yaml.safe_load(yaml_file.read_text(encoding="utf-8"))
+
+
+def _reference(ref: CheckpointRef) -> dict[str, np.ndarray] | None:
+    tree = _read_item(ref.step_dir, REFERENCE_ITEM, _restore_pytree, required=False)
+    if tree is None:
+        return None
+    missing = {"tokens", "logits"} - set(tree)
+    if missing:
+        raise ExportError(
+            f"checkpoint 'reference' item lacks {sorted(missing)}; has {sorted(tree)}"
+        )
+    tokens, logits = np.asarray(tree["tokens"]), np.asarray(tree["logits"], np.float32)
+    if tokens.ndim != 2 or logits.shape[:2] != tokens.shape:
+        raise ExportError(
+            f"checkpoint 'reference': tokens must be [n, L] and logits [n, L, V], got "
+            f"{tokens.shape} and {logits.shape}"
+        )
+    return {"tokens": tokens.astype(np.int32), "logits": logits}
+
+
+def read_checkpoint(ref: CheckpointRef) -> Checkpoint:
+    """Reads params, config and the optional `quant_stats` / `reference` items of `ref`.
+
+    Raises:
+        ExportError: a required item is missing or cannot be read, or non-finite parameters.
+    """
+    params = _flatten(_read_item(ref.step_dir, PARAMS_ITEM, _restore_pytree, required=True))
+    for name, value in params.items():
+        if not np.all(np.isfinite(value)):
+            raise ExportError(f"parameter {name!r} holds NaN or Inf; refusing to export it")
+    stats = _read_item(ref.step_dir, QUANT_STATS_ITEM, _restore_json, required=False)
+    if stats is not None and not isinstance(stats, dict):
+        raise ExportError(
+            f"checkpoint 'quant_stats' must be a JSON object, got {type(stats).__name__}"
+        )
+    return Checkpoint(ref, params, _config(ref), stats, _reference(ref))
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content (used for export directories)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ExportError(f"cannot read JSON file {str(path)!r}: {err}") from err

@@ -1,0 +1,93 @@
+"""`nvfp4-export`: hf, onnx and verify subcommands (the only place that prints or exits)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from nvfp4_export.errors import ExportError
+from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from nvfp4_export.layouts import LAYOUTS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nvfp4-export", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    hf = sub.add_parser(
+        "hf", help="a Hugging Face model directory (ModelOpt or compressed-tensors)"
+    )
+    hf.add_argument("checkpoint", help="run directory, its checkpoints/ or one checkpoints/<step>/")
+    hf.add_argument("out_dir")
+    hf.add_argument("--layout", required=True, choices=LAYOUTS)
+    hf.add_argument("--weight-only", action="store_true", help="no input scales (W4A16)")
+    hf.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    hf.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    hf.add_argument(
+        "--calibrate", type=int, default=0, metavar="N", help="input scales from N sequences"
+    )
+    hf.add_argument("--calibration-text", default=None, help="text file for --calibrate sequences")
+    hf.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
+    ox.add_argument("checkpoint")
+    ox.add_argument("out_file")
+    ox.add_argument("--form", choices=("portable", "dq"), default="portable",
+                    help="portable: opset 18, runs on onnxruntime CPU; dq: opset 23 DequantizeLinear(FLOAT4E2M1)")  # fmt: skip
+    ox.add_argument("--step", type=int, default=None)
+    ox.add_argument("--overwrite", action="store_true")
+    vf = sub.add_parser("verify", help="check an export and compare its logits with the run")
+    vf.add_argument("export", help="an export directory or .onnx file")
+    vf.add_argument("--against", default=None, help="the run (or checkpoint) it was exported from")
+    vf.add_argument(
+        "--sequences", type=int, default=4, help="sequences compared without a reference item"
+    )
+    return p
+
+
+def _hf(args: argparse.Namespace) -> int:
+    result = export_hf(
+        args.checkpoint, args.out_dir, layout=args.layout, weight_only=args.weight_only,
+        step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
+        calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
+        log=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    plan = result.plan
+    mode = "W4A4" if plan.w4a4 else "weight-only"
+    print(
+        f"wrote {result.out_dir} ({plan.layout}, {plan.fmt}, {mode}; step {result.step}; "
+        f"{result.total_bytes / 1e6:.2f} MB of weights; {len(plan.excluded)} modules kept in BF16; "
+        f"{result.seconds:.1f} s)"
+    )
+    return 0
+
+
+def _onnx(args: argparse.Namespace) -> int:
+    from nvfp4_export.onnx_file import export_onnx
+
+    path = export_onnx(
+        args.checkpoint, args.out_file, form=args.form, step=args.step, overwrite=args.overwrite
+    )
+    print(f"wrote {path} ({args.form})")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from nvfp4_export.verify import render, verify
+
+    report = verify(args.export, against=args.against, sequences=args.sequences)
+    print(render(report))
+    return 0 if report.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (0 ok, 1 verification failed, 2 bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        return {"hf": _hf, "onnx": _onnx, "verify": _verify}[args.command](args)
+    except ExportError as err:
+        print(f"nvfp4-export: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""A NumPy Llama forward pass that mirrors the training model's numerics (for verify and calibration).
+
+Mirrors `nvfp4_train`'s model in float32 with rounding to the compute dtype at the same points:
+embedding lookup, RMSNorm output, each linear's output, RoPE output, attention probabilities and
+output, SwiGLU product and each residual sum. Quantized linears use the exported (dequantized)
+weights; their input is either left as is (weight-only, what a W4A16 server computes), quantized
+per call with its own amax (what training computes: "dynamic"), or quantized with a fixed amax
+(the exported input scale: "static"). Logits are float32 [B, L, V].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+import nvfp4_format
+from nvfp4_export.model_spec import LlamaSpec
+
+ACTIVATION_MODES = ("none", "dynamic", "static")
+_ROUND = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLinear:
+    """One training linear (fused q|k|v and gate|up as one matrix).
+
+    Attributes:
+        w_OxI: float32 [out, in] weight values the model multiplies with.
+        act_fmt: "nvfp4", "mxfp4" (the recipe quantizes the input) or "none".
+        act_amax: the fixed input amax for "static" activations (NVFP4), or None.
+    """
+
+    w_OxI: np.ndarray
+    act_fmt: str = "none"
+    act_amax: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardWeights:
+    """All weights of the decoder, float32, HF orientation ([out, in]; embeddings [V, D]).
+
+    `layers[i]` maps "attn_norm", "mlp_norm" to [D] scales and "qkv", "o", "gate_up", "down" to
+    `ForwardLinear`s.
+    """
+
+    spec: LlamaSpec
+    embed_VxD: np.ndarray
+    final_norm: np.ndarray
+    lm_head_VxD: np.ndarray
+    layers: tuple[dict, ...]
+
+
+def _rounder(dtype: str):
+    if dtype not in _ROUND:
+        return lambda x: np.asarray(x, np.float32)
+    target = _ROUND[dtype]
+    return lambda x: np.asarray(x, np.float32).astype(target).astype(np.float32)
+
+
+def _rms_norm(x, scale, eps, rnd):
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return rnd(x * inv.astype(np.float32) * scale)
+
+
+def _quantize_input(x_NxK: np.ndarray, lin: ForwardLinear, mode: str) -> np.ndarray:
+    if mode == "none" or lin.act_fmt == "none":
+        return x_NxK
+    if lin.act_fmt == "mxfp4":
+        return nvfp4_format.dequantize_mxfp4(nvfp4_format.quantize_mxfp4(x_NxK, "ocp"))
+    amax = None
+    if mode == "static":
+        if lin.act_amax is None:
+            raise ValueError("activations='static' needs act_amax on every NVFP4 linear, got None")
+        amax = np.float32(lin.act_amax)
+    return nvfp4_format.dequantize(nvfp4_format.quantize(x_NxK, (1, 16), global_amax=amax))
+
+
+def _linear(x_BxLxI, lin: ForwardLinear, mode: str, rnd, amax_out: dict | None, key: str):
+    b, l, k = x_BxLxI.shape
+    x = x_BxLxI.reshape(b * l, k)
+    if amax_out is not None:
+        amax_out[key] = max(amax_out.get(key, 0.0), float(np.max(np.abs(x))) if x.size else 0.0)
+    x = _quantize_input(x, lin, mode)
+    return rnd((x @ lin.w_OxI.T).reshape(b, l, -1))
+
+
+def _rope_tables(length: int, head_dim: int, theta: float):
+    inv_freq = 1.0 / (
+        np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    )
+    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def _rope(x_BxLxHxD, cos, sin, rnd):
+    half = x_BxLxHxD.shape[-1] // 2
+    rotated = np.concatenate([-x_BxLxHxD[..., half:], x_BxLxHxD[..., :half]], axis=-1)
+    return rnd(x_BxLxHxD * cos[None, :, None, :] + rotated * sin[None, :, None, :])
+
+
+def _attention(q_BxLxHxD, k_BxLxGxD, v_BxLxGxD, rnd):
+    b, l, h, d = q_BxLxHxD.shape
+    g = k_BxLxGxD.shape[2]
+    q = q_BxLxHxD.reshape(b, l, g, h // g, d)
+    scores = np.einsum("blgrk,bsgk->bgrls", q, k_BxLxGxD) / np.sqrt(np.float32(d))
+    causal = np.tril(np.ones((l, l), dtype=bool))
+    scores = np.where(causal, scores, np.finfo(np.float32).min).astype(np.float32)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = rnd(scores / scores.sum(axis=-1, keepdims=True))
+    out = np.einsum("bgrls,bsgk->blgrk", probs, v_BxLxGxD).astype(np.float32)
+    return rnd(out.reshape(b, l, h, d))
+
+
+def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, tables):
+    s = w.spec
+    nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+    b, l, _ = x.shape
+    h = _rms_norm(x, layer["attn_norm"], s.rms_norm_eps, rnd)
+    qkv = _linear(h, layer["qkv"], mode, rnd, amax_out, f"layers.{i}.attn.qkv")
+    q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+    cos, sin = tables
+    q = _rope(q.reshape(b, l, nh, hd), cos[:l], sin[:l], rnd)
+    k = _rope(k.reshape(b, l, nkv, hd), cos[:l], sin[:l], rnd)
+    att = _attention(q, k, v.reshape(b, l, nkv, hd), rnd).reshape(b, l, nh * hd)
+    x = rnd(x + _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o"))
+    h = _rms_norm(x, layer["mlp_norm"], s.rms_norm_eps, rnd)
+    gate, up = np.split(
+        _linear(h, layer["gate_up"], mode, rnd, amax_out, f"layers.{i}.mlp.gate_up"), 2, axis=-1
+    )
+    hidden = rnd(gate / (1.0 + np.exp(-gate)) * up)
+    return rnd(x + _linear(hidden, layer["down"], mode, rnd, amax_out, f"layers.{i}.mlp.down"))
+
+
+def forward(
+    weights: ForwardWeights,
+    tokens_BxL: np.ndarray,
+    *,
+    activations: str = "dynamic",
+    compute_dtype: str | None = None,
+    amax_out: dict[str, float] | None = None,
+) -> np.ndarray:
+    """float32 logits [B, L, V] for int tokens [B, L].
+
+    Args:
+        weights: the decoder's weights.
+        tokens_BxL: token ids.
+        activations: "dynamic" (quantize each quantized linear's input with its own amax, as
+            training does), "static" (with `ForwardLinear.act_amax`) or "none" (weight-only).
+        compute_dtype: override the spec's dtype for the roundings ("float32": none).
+        amax_out: if given, receives max |x| at each linear's input, keyed `layers.{i}.attn.qkv`...
+    """
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
+    tokens = np.asarray(tokens_BxL)
+    if tokens.ndim != 2 or tokens.shape[1] > weights.spec.max_seq_len:
+        raise ValueError(
+            f"tokens must be [batch, length <= {weights.spec.max_seq_len}], got {tokens.shape}"
+        )
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= weights.spec.vocab_size):
+        raise ValueError(
+            f"token ids must be in [0, {weights.spec.vocab_size}), got {tokens.min()}..{tokens.max()}"
+        )
+    rnd = _rounder(compute_dtype or weights.spec.dtype)
+    tables = _rope_tables(tokens.shape[1], weights.spec.head_dim, weights.spec.rope_theta)
+    x = rnd(weights.embed_VxD[tokens])
+    for i, layer in enumerate(weights.layers):
+        x = _block(x, layer, i, weights, activations, rnd, amax_out, tables)
+    x = _rms_norm(x, weights.final_norm, weights.spec.rms_norm_eps, rnd)
+    return (x @ rnd(weights.lm_head_VxD).T).astype(np.float32)

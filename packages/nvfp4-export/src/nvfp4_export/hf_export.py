@@ -1,0 +1,209 @@
+"""`export_hf`: a training checkpoint -> a Hugging Face model directory in one FP4 layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
+from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
+from nvfp4_export.hf_files import (
+    copy_tokenizer,
+    generation_config,
+    hf_config,
+    special_token_ids,
+    write_json,
+    write_weights,
+)
+from nvfp4_export.layouts import (
+    LayoutPlan,
+    hf_quant_config,
+    linear_tensors,
+    plan_layout,
+    quantization_config,
+)
+from nvfp4_export.linears import ExportedLinear, export_linear
+from nvfp4_export.model_spec import LlamaSpec, spec_from_config
+from nvfp4_export.output_dir import atomic_output, check_target
+from nvfp4_export.policy import linear_recipes
+from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
+
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What `export_hf` wrote.
+
+    Attributes:
+        out_dir: the export directory.
+        step: the checkpoint step exported.
+        plan: layout, FP4 format, W4A4 or weight-only, excluded modules.
+        amax_source: where input scales came from: "quant_stats", "calibration" or None.
+        files: files written (relative names).
+        total_bytes: bytes of the weight files.
+        seconds: wall time of the export.
+        notes: messages for the user (e.g. why the export is weight-only).
+    """
+
+    out_dir: Path
+    step: int
+    plan: LayoutPlan
+    amax_source: str | None
+    files: tuple[str, ...]
+    total_bytes: int
+    seconds: float
+    notes: tuple[str, ...]
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16))
+
+
+def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Embeddings, norms and lm_head in BF16 under their HF names."""
+    out = {"model.embed_tokens.weight": _bf16(params["embed.embedding"])}
+    for i in range(spec.num_layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = _bf16(
+            params[f"layers.{i}.attn_norm.scale"]
+        )
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = _bf16(
+            params[f"layers.{i}.mlp_norm.scale"]
+        )
+    out["model.norm.weight"] = _bf16(params["final_norm.scale"])
+    if not spec.tie_embeddings:
+        out["lm_head.weight"] = _bf16(params["lm_head.kernel"].T)
+    return out
+
+
+def _input_amax(
+    ckpt: Checkpoint,
+    spec: LlamaSpec,
+    recipes: dict[str, str],
+    calibrate_n: int,
+    calibration_text: Path | None,
+) -> tuple[dict[str, float], str | None]:
+    paths = spec.linear_paths()
+    if calibrate_n:
+        weights = weights_from_checkpoint(ckpt, spec, recipes, {})
+        tokens = calibration_tokens(
+            calibrate_n, ckpt.reference, calibration_text, ckpt.tokenizer_dir, spec.max_seq_len
+        )
+        return calibrate(weights, tokens), "calibration"
+    stats = amax_from_stats(ckpt.quant_stats, paths)
+    return stats, ("quant_stats" if stats else None)
+
+
+def _weight_only_note(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
+    if plan.fmt != "nvfp4" or plan.w4a4 or weight_only:
+        return ()
+    return (
+        "no activation amax for every NVFP4 linear (the checkpoint has no quant_stats."
+        "activation_amax and --calibrate was not given): exported WEIGHT-ONLY (W4A16, no "
+        "input scales); servers run W4A16 (e.g. vLLM's Marlin path)",
+    )
+
+
+def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan) -> dict:
+    return {
+        "producer": "nvfp4-export 0.1.0",
+        "source": str(ckpt.ref.step_dir),
+        "step": ckpt.ref.step,
+        "layout": plan.layout,
+        "format": plan.fmt,
+        "w4a4": plan.w4a4,
+        "excluded": list(plan.excluded),
+        "spec": dataclasses.asdict(spec),
+        "recipes": recipes,
+        "recipes_from": "quant_stats" if (ckpt.quant_stats or {}).get("recipes") else "config",
+        "input_amax": amax if plan.w4a4 else {},
+        "input_amax_from": source if plan.w4a4 else None,
+    }
+
+
+def _write_dir(out, ckpt, spec, linears, plan, provenance, max_shard_bytes) -> list[str]:
+    tensors = dense_tensors(spec, ckpt.params)
+    for m in linears:
+        tensors.update(linear_tensors(m, plan))
+    files = write_weights(out, tensors, max_shard_bytes)
+    bos, eos = special_token_ids(ckpt.tokenizer_dir)
+    config = hf_config(spec, eos_token_id=eos, bos_token_id=bos)
+    if plan.fmt != "bf16":
+        config["quantization_config"] = quantization_config(plan)
+    write_json(out / "config.json", config)
+    write_json(
+        out / "generation_config.json", generation_config(eos_token_id=eos, bos_token_id=bos)
+    )
+    files += ["config.json", "generation_config.json"]
+    modelopt = hf_quant_config(plan) if plan.fmt != "bf16" else None
+    if modelopt is not None:
+        write_json(out / "hf_quant_config.json", modelopt)
+        files.append("hf_quant_config.json")
+    write_json(out / PROVENANCE_FILE, provenance)
+    return files + [PROVENANCE_FILE] + copy_tokenizer(ckpt.tokenizer_dir, out)
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    layout: str,
+    weight_only: bool = False,
+    step: int | None = None,
+    overwrite: bool = False,
+    calibrate_n: int = 0,
+    calibration_text: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    log: Callable[[str], None] = lambda _: None,
+) -> ExportResult:
+    """Exports a training checkpoint as a Hugging Face Llama directory in `layout`.
+
+    Args:
+        checkpoint: a run directory, its checkpoints/ directory or one step directory.
+        out_dir: the directory to create (written beside it first, renamed at the end).
+        layout: "modelopt" or "compressed-tensors" (MXFP4 runs: compressed-tensors only).
+        weight_only: write no input scales even when activation amax is available.
+        step: the checkpoint step (default: the newest).
+        overwrite: replace an existing `out_dir`.
+        calibrate_n: run a calibration pass over this many sequences for the input scales.
+        calibration_text: a text file to draw calibration sequences from.
+        max_shard_bytes: split weights into shards of at most this size (plus an index).
+        log: receives progress messages and notes.
+
+    Raises:
+        ExportError: bad checkpoint, layout, dimensions or output path (nothing is left behind).
+
+    Example:
+        >>> export_hf("runs/tiny", "runs/tiny-hf", layout="compressed-tensors")  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
+    check_target(out_dir, overwrite)
+    ckpt = read_checkpoint(resolve_checkpoint(checkpoint, step))
+    spec = spec_from_config(ckpt.config, ckpt.params)
+    recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
+    text = None if calibration_text is None else Path(calibration_text)
+    amax, source = _input_amax(ckpt, spec, recipes, calibrate_n if not weight_only else 0, text)
+    log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
+    linears: list[ExportedLinear] = []
+    for path in spec.linear_paths():
+        kernel = ckpt.params[f"{path}.kernel"]
+        linears += export_linear(spec, path, kernel, recipes[path], amax.get(path))
+    plan = plan_layout(layout, linears, weight_only=weight_only)
+    provenance = _provenance(ckpt, spec, recipes, amax, source, plan)
+    with atomic_output(out_dir, overwrite=overwrite) as tmp:
+        files = _write_dir(tmp, ckpt, spec, linears, plan, provenance, max_shard_bytes)
+    total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
+    notes = _weight_only_note(plan, weight_only)
+    for note in notes:
+        log("note: " + note)
+    return ExportResult(
+        out_dir, ckpt.ref.step, plan, source if plan.w4a4 else None, tuple(files), total,
+        time.perf_counter() - start, notes,
+    )  # fmt: skip

@@ -1,0 +1,132 @@
+"""Writing a Hugging Face model directory: config.json, generation_config.json, tokenizer, weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+from nvfp4_export.errors import ExportError
+from nvfp4_export.model_spec import LlamaSpec
+
+SAFETENSORS_METADATA = {"format": "pt"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | None) -> dict:
+    """config.json for `LlamaForCausalLM` (no quantization entry; the layout adds it)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.mlp_dim,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_seq_len,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> dict:
+    """generation_config.json: the special tokens; greedy decoding by default."""
+    return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}
+
+
+def write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += array.nbytes
+    return shards
+
+
+def write_weights(out_dir: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[str]:
+    """Writes `model.safetensors`, or `model-0000K-of-0000N.safetensors` + the index when large.
+
+    Returns:
+        The file names written.
+    """
+    if max_shard_bytes < 1:
+        raise ExportError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        safetensors.numpy.save_file(tensors, str(out_dir / SINGLE_FILE), SAFETENSORS_METADATA)
+        return [SINGLE_FILE]
+    weight_map, files = {}, []
+    for k, names in enumerate(shards, start=1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        part = {n: tensors[n] for n in names}
+        safetensors.numpy.save_file(part, str(out_dir / file), SAFETENSORS_METADATA)
+        weight_map.update(dict.fromkeys(names, file))
+        files.append(file)
+    total = int(sum(a.nbytes for a in tensors.values()))
+    write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return [*files, INDEX_FILE]
+
+
+def special_token_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
+    """(bos, eos) ids from a `tokenizer/` directory: eos from special_tokens_map.json's `eos_token`
+    looked up in tokenizer.json's added tokens; bos = eos (training prepends no BOS token)."""
+    if tokenizer_dir is None:
+        return None, None
+    try:
+        special = json.loads((tokenizer_dir / "special_tokens_map.json").read_text("utf-8"))
+        tok = json.loads((tokenizer_dir / "tokenizer.json").read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None, None
+    eos = special.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    for added in tok.get("added_tokens", []):
+        if added.get("content") == eos:
+            return int(added["id"]), int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab") or {}
+    eos_id = vocab.get(eos) if isinstance(vocab, dict) else None
+    return eos_id, eos_id
+
+
+def copy_tokenizer(tokenizer_dir: Path | None, out_dir: Path) -> list[str]:
+    """Copies the run's tokenizer files (tokenizer.json + its configs) into `out_dir`.
+
+    Training writes `tokenizer.json` (Hugging Face `tokenizers` format; the byte tokenizer as a
+    byte-level BPE without merges) with `tokenizer_config.json` naming `PreTrainedTokenizerFast`,
+    which `transformers.AutoTokenizer` loads as they are. A missing `tokenizer_config.json` is
+    written here with that class.
+    """
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").is_file():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, out_dir / name)
+            copied.append(name)
+    if "tokenizer_config.json" not in copied:
+        write_json(
+            out_dir / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+        copied.append("tokenizer_config.json")
+    return copied

@@ -1,0 +1,157 @@
+"""Quantize each trained linear exactly as its forward pass did, then split fused outputs for HF.
+
+Training computes a quantized linear as x @ Q(W) with W = float32 master kernel [in, out] cast to
+the compute dtype, and Q quantizing W^T [out, in] along `in` with the recipe's block shape (16x16
+tiles for the paper's recipe) and ONE global amax over the whole fused tensor (q|k|v, gate|up).
+Doing the same here (through `nvfp4_format`) reproduces the model's codes and scales bit for bit;
+splitting rows afterwards keeps them (block scales are stored per row, a 16x16 tile's scale repeated
+over its rows) and the shared global scale is what servers require for fused q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+import nvfp4_format
+from nvfp4_export.errors import ExportError
+from nvfp4_export.model_spec import LlamaSpec
+from nvfp4_export.policy import WeightFormat, weight_format
+
+MXFP4_SCALE_RULE = "ocp"
+"""The rule training's MXFP4 recipe uses (X = 2^(floor(log2 amax_block) - 2))."""
+
+_NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedLinear:
+    """One Hugging Face linear module as the export writes it.
+
+    Attributes:
+        name: HF module name, e.g. `model.layers.0.self_attn.q_proj`.
+        source: the training linear it comes from, e.g. `layers.0.attn.qkv`.
+        fmt: "nvfp4", "mxfp4" or "bf16".
+        weight: bfloat16 [out, in] (fmt "bf16" only).
+        packed: uint8 [out, in/2] E2M1 codes, even `in` index in the low nibble (FP4 formats).
+        scales: NVFP4: float8_e4m3fn [out, in/16] block decode scales; MXFP4: uint8 [out, in/32]
+            E8M0 exponents (127 = 2^0).
+        weight_amax: NVFP4 only: float32 max |W| over the whole fused group (sets the global scale).
+        input_amax: max |x| at the linear's input (W4A4 activation scale), or None.
+    """
+
+    name: str
+    source: str
+    fmt: str
+    weight: np.ndarray | None = None
+    packed: np.ndarray | None = None
+    scales: np.ndarray | None = None
+    weight_amax: np.float32 | None = None
+    input_amax: float | None = None
+
+    @property
+    def global_decode_scale(self) -> np.float32:
+        """NVFP4: the shared DECODE scale, float32 1 / s_enc (~ amax / (6 * 448))."""
+        return np.float32(nvfp4_format.global_decode_scale(np.float32(self.weight_amax)))
+
+    @property
+    def global_encode_scale(self) -> np.float32:
+        """NVFP4: the shared ENCODE scale s_enc = min(6 * 448 / amax, FLT_MAX), float32."""
+        return np.float32(nvfp4_format.global_encode_scale(np.float32(self.weight_amax)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Logical [out, in]."""
+        if self.weight is not None:
+            return tuple(self.weight.shape)
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+
+def hf_modules(spec: LlamaSpec, source: str) -> list[tuple[str, int]]:
+    """(HF module name, output rows) in the order the fused output of `source` holds them."""
+    prefix, kind = source.split(".", 2)[:2], source.split(".", 2)[2]
+    base = f"model.{prefix[0]}.{prefix[1]}."
+    q, k, v = spec.qkv_split
+    table = {
+        "attn.qkv": [("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v)],
+        "attn.o": [("self_attn.o_proj", spec.d_model)],
+        "mlp.gate_up": [("mlp.gate_proj", spec.mlp_dim), ("mlp.up_proj", spec.mlp_dim)],
+        "mlp.down": [("mlp.down_proj", spec.d_model)],
+    }
+    return [(base + name, rows) for name, rows in table[kind]]
+
+
+def compute_weight_t(kernel_IxO: np.ndarray, dtype: str) -> np.ndarray:
+    """W^T [out, in] as float32 holding the compute-dtype values the model multiplied with."""
+    return np.ascontiguousarray(kernel_IxO.astype(_NP_DTYPES[dtype]).astype(np.float32).T)
+
+
+def _split_rows(rows: list[tuple[str, int]]) -> list[tuple[str, slice]]:
+    out, start = [], 0
+    for name, n in rows:
+        out.append((name, slice(start, start + n)))
+        start += n
+    return out
+
+
+def _quantized_parts(
+    w_t: np.ndarray, wf: WeightFormat, source: str
+) -> tuple[np.ndarray, np.ndarray, np.float32 | None]:
+    try:
+        if wf.fmt == "nvfp4":
+            amax = np.float32(np.max(np.abs(w_t))) if w_t.size else np.float32(0)
+            q = nvfp4_format.quantize(w_t, wf.block_shape, global_amax=amax)
+            return q.packed, q.block_scales, amax
+        q = nvfp4_format.quantize_mxfp4(w_t, MXFP4_SCALE_RULE)
+        return q.packed, q.scales, None
+    except ValueError as err:
+        raise ExportError(
+            f"linear {source!r} [out, in]={w_t.shape} cannot be quantized: {err}"
+        ) from err
+
+
+def export_linear(
+    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, recipe: str, input_amax: float | None
+) -> list[ExportedLinear]:
+    """The HF modules of training linear `source` (fused outputs split), quantized per `recipe`.
+
+    Example:
+        >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2,
+        ...                  num_kv_heads=1, head_dim=16, mlp_dim=32)
+        >>> k = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+        >>> [m.packed.shape for m in export_linear(spec, "layers.0.attn.qkv", k, "nvfp4", None)]
+        [(32, 16), (16, 16), (16, 16)]
+    """
+    wf = weight_format(recipe, source)
+    w_t = compute_weight_t(kernel_IxO, spec.dtype)
+    parts = _split_rows(hf_modules(spec, source))
+    if wf.fmt == "bf16":
+        w_bf16 = w_t.astype(ml_dtypes.bfloat16)
+        return [ExportedLinear(n, source, "bf16", weight=w_bf16[rows]) for n, rows in parts]
+    packed, scales, weight_amax = _quantized_parts(w_t, wf, source)
+    amax = None if input_amax is None else float(input_amax)
+    return [
+        ExportedLinear(
+            name,
+            source,
+            wf.fmt,
+            packed=np.ascontiguousarray(packed[rows]),
+            scales=np.ascontiguousarray(scales[rows]),
+            weight_amax=weight_amax,
+            input_amax=amax,
+        )
+        for name, rows in parts
+    ]
+
+
+def dequantize_linear(m: ExportedLinear) -> np.ndarray:
+    """float32 [out, in] values of an exported module (what a server computes with)."""
+    if m.fmt == "bf16":
+        return m.weight.astype(np.float32)
+    if m.fmt == "nvfp4":
+        a = nvfp4_format.NVFP4Array(m.packed, m.scales, m.global_decode_scale, m.shape)
+        return nvfp4_format.dequantize(a)
+    a = nvfp4_format.MXFP4Array(m.packed, m.scales, m.shape, MXFP4_SCALE_RULE)
+    return nvfp4_format.dequantize_mxfp4(a)

@@ -1,0 +1,141 @@
+"""The Llama shape and numerics of a checkpoint, taken from its config and checked against its params.
+
+Parameter names (the training model's tree, float32, kernels [in, out]):
+    embed.embedding [V, D]; final_norm.scale [D]; lm_head.kernel [D, V] (absent when tied);
+    layers.{i}.attn_norm.scale, layers.{i}.mlp_norm.scale [D];
+    layers.{i}.attn.qkv.kernel [D, (H + 2G) * K]   columns q | k | v, each head's K columns contiguous;
+    layers.{i}.attn.o.kernel [H * K, D]; layers.{i}.mlp.gate_up.kernel [D, 2F] (gate | up);
+    layers.{i}.mlp.down.kernel [F, D].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from nvfp4_export.errors import ExportError
+
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSpec:
+    """Dimensions and numerics of the decoder (names follow the training config's `model:` section).
+
+    Example:
+        >>> LlamaSpec(vocab_size=257, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        ...           head_dim=16, mlp_dim=192).qkv_split
+        (64, 32, 32)
+    """
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ExportError(f"model.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ExportError(
+                f"model.num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}"
+            )
+        widths = {
+            "d_model": self.d_model,
+            "mlp_dim": self.mlp_dim,
+            "num_heads * head_dim": self.num_heads * self.head_dim,
+        }
+        for name, width in widths.items():
+            if width % 16:
+                raise ExportError(
+                    f"{name} must be a multiple of 16 (NVFP4 blocks are 16 wide along a linear's "
+                    f"input), got {width}"
+                )
+
+    @property
+    def qkv_split(self) -> tuple[int, int, int]:
+        """Output rows of q, k and v inside the fused `attn.qkv` (in that order)."""
+        kv = self.num_kv_heads * self.head_dim
+        return (self.num_heads * self.head_dim, kv, kv)
+
+    def linear_paths(self) -> list[str]:
+        """`layers.{i}.attn.qkv`, ... for every quantizable linear, in model order."""
+        return [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LINEAR_NAMES]
+
+    def expected_params(self) -> dict[str, tuple[int, ...]]:
+        """Parameter path -> shape, exactly the tree the training model has."""
+        d, f, v = self.d_model, self.mlp_dim, self.vocab_size
+        shapes = {"embed.embedding": (v, d), "final_norm.scale": (d,)}
+        if not self.tie_embeddings:
+            shapes["lm_head.kernel"] = (d, v)
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            shapes[p + "attn_norm.scale"] = (d,)
+            shapes[p + "mlp_norm.scale"] = (d,)
+            shapes[p + "attn.qkv.kernel"] = (d, sum(self.qkv_split))
+            shapes[p + "attn.o.kernel"] = (self.num_heads * self.head_dim, d)
+            shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
+            shapes[p + "mlp.down.kernel"] = (f, d)
+        return shapes
+
+
+def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> LlamaSpec:
+    """The `LlamaSpec` of a training config's `model:` section, checked against `params`.
+
+    `vocab_size` comes from the embedding (the config may say 0 = "from the data").
+
+    Raises:
+        ExportError: missing config keys, or parameters that do not match the config's shapes.
+    """
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        raise ExportError("the checkpoint config has no 'model' section")
+    if "embed.embedding" not in params:
+        raise ExportError(f"params lack 'embed.embedding'; have {sorted(params)[:6]}...")
+    try:
+        heads = int(model["num_heads"])
+        spec = LlamaSpec(
+            vocab_size=int(params["embed.embedding"].shape[0]),
+            d_model=int(model["d_model"]),
+            num_layers=int(model["num_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(model["num_kv_heads"]),
+            head_dim=int(model.get("head_dim") or int(model["d_model"]) // heads),
+            mlp_dim=int(model["mlp_dim"]),
+            max_seq_len=int(model.get("max_seq_len", 256)),
+            rope_theta=float(model.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(model.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(model.get("tie_embeddings", False)),
+            dtype=str(model.get("dtype", "bfloat16")),
+        )
+    except KeyError as err:
+        raise ExportError(f"the checkpoint config's model section lacks {err}") from err
+    check_params(spec, params)
+    return spec
+
+
+def check_params(spec: LlamaSpec, params: dict[str, np.ndarray]) -> None:
+    """Raises ExportError unless `params` has exactly the tree and shapes `spec` implies."""
+    expected = spec.expected_params()
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
+    if missing or extra:
+        raise ExportError(
+            f"params do not match the config's Llama: missing {missing[:8]}, unexpected {extra[:8]}"
+        )
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != shape:
+            raise ExportError(
+                f"param {name!r} must have shape {shape} per the config, got {params[name].shape}"
+            )

@@ -1,0 +1,55 @@
+"""`export_onnx`: a training checkpoint -> one .onnx file (see `onnx_export` for the graph)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nvfp4_export.checkpoint import read_checkpoint, resolve_checkpoint
+from nvfp4_export.errors import ExportError
+from nvfp4_export.hf_export import dense_tensors
+from nvfp4_export.linears import export_linear
+from nvfp4_export.model_spec import spec_from_config
+from nvfp4_export.onnx_export import FORMS, build_onnx, save_onnx
+from nvfp4_export.output_dir import atomic_file
+from nvfp4_export.policy import linear_recipes
+
+
+def export_onnx(
+    checkpoint: str | Path,
+    out_path: str | Path,
+    *,
+    form: str = "portable",
+    step: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the checkpoint's decoder as ONNX with packed FP4 weights.
+
+    Args:
+        checkpoint: a run directory, its checkpoints/ directory or one step directory.
+        out_path: the .onnx file to create (written beside it first, renamed at the end).
+        form: "portable" (opset 18, onnxruntime CPU) or "dq" (opset 23 DequantizeLinear FLOAT4E2M1).
+        step: the checkpoint step (default: the newest).
+        overwrite: replace an existing file.
+
+    Raises:
+        ExportError: bad checkpoint, form or output path; onnx not installed.
+    """
+    if form not in FORMS:
+        raise ExportError(f"--form must be one of {sorted(FORMS)}, got {form!r}")
+    try:
+        import onnx  # noqa: F401
+    except ImportError as err:
+        raise ExportError(
+            "ONNX export needs the 'onnx' package: pip install 'nvfp4-export[onnx]'"
+        ) from err
+    out_path = Path(out_path)
+    ckpt = read_checkpoint(resolve_checkpoint(checkpoint, step))
+    spec = spec_from_config(ckpt.config, ckpt.params)
+    recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
+    linears = []
+    for path in spec.linear_paths():
+        linears += export_linear(spec, path, ckpt.params[f"{path}.kernel"], recipes[path], None)
+    model = build_onnx(spec, linears, dense_tensors(spec, ckpt.params), form)
+    with atomic_file(out_path, overwrite=overwrite) as tmp:
+        save_onnx(model, tmp)
+    return out_path

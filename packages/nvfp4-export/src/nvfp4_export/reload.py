@@ -1,0 +1,198 @@
+"""Read an export back (config, quantization metadata, tensors) and rebuild dense forward weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nvfp4_export.checkpoint import Checkpoint, read_json
+from nvfp4_export.errors import ExportError
+from nvfp4_export.forward import ForwardLinear, ForwardWeights
+from nvfp4_export.hf_files import INDEX_FILE, SINGLE_FILE
+from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
+from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
+from nvfp4_export.policy import weight_format
+
+PROVENANCE_FILE = "nvfp4_export.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedExport:
+    """An export directory as data.
+
+    Attributes:
+        path: the directory.
+        config: config.json.
+        provenance: nvfp4_export.json (spec, recipes, step, activation-amax source).
+        hf_quant_config: hf_quant_config.json or None.
+        tensors: name -> array (every shard merged).
+        files: the safetensors files read.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    provenance: dict[str, Any]
+    hf_quant_config: dict[str, Any] | None
+    tensors: dict[str, np.ndarray]
+    files: tuple[str, ...]
+
+    @property
+    def spec(self) -> LlamaSpec:
+        return LlamaSpec(**self.provenance["spec"])
+
+    @property
+    def layout(self) -> str:
+        return self.provenance["layout"]
+
+
+def _weight_files(path: Path) -> list[str]:
+    if (path / INDEX_FILE).is_file():
+        index = read_json(path / INDEX_FILE)
+        return sorted(set(index.get("weight_map", {}).values()))
+    if (path / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise ExportError(f"{str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def load_export(path: str | Path) -> LoadedExport:
+    """Reads an `nvfp4-export hf` directory.
+
+    Raises:
+        ExportError: a missing or unreadable file.
+    """
+    from nvfp4_format.safetensors_file import load_safetensors
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"export directory {str(path)!r} does not exist")
+    for name in ("config.json", PROVENANCE_FILE):
+        if not (path / name).is_file():
+            raise ExportError(f"export directory {str(path)!r} lacks {name}")
+    tensors: dict[str, np.ndarray] = {}
+    files = _weight_files(path)
+    for file in files:
+        try:
+            part, _ = load_safetensors(path / file)
+        except (OSError, ValueError) as err:
+            raise ExportError(f"cannot read {str(path / file)!r}: {err}") from err
+        tensors.update(part)
+    hf_quant = path / "hf_quant_config.json"
+    return LoadedExport(
+        path,
+        read_json(path / "config.json"),
+        read_json(path / PROVENANCE_FILE),
+        read_json(hf_quant) if hf_quant.is_file() else None,
+        tensors,
+        tuple(files),
+    )
+
+
+def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> ExportedLinear:
+    """Rebuilds one `ExportedLinear` from the layout's tensors."""
+    t = loaded.tensors
+    if f"{name}.weight_packed" in t:
+        packed, scales = t[f"{name}.weight_packed"], t[f"{name}.weight_scale"]
+        if f"{name}.weight_global_scale" not in t:
+            return ExportedLinear(name, source, "mxfp4", packed=packed, scales=scales)
+        enc = np.float32(t[f"{name}.weight_global_scale"].reshape(()))
+        amax = _amax_from_encode(enc)
+        return ExportedLinear(name, source, "nvfp4", packed=packed, scales=scales, weight_amax=amax)
+    if f"{name}.weight_scale_2" in t:
+        dec = np.float32(t[f"{name}.weight_scale_2"].reshape(()))
+        return ExportedLinear(
+            name, source, "nvfp4", packed=t[f"{name}.weight"], scales=t[f"{name}.weight_scale"],
+            weight_amax=_amax_from_encode(np.float32(1.0) / dec),
+        )  # fmt: skip
+    if f"{name}.weight" not in t:
+        raise ExportError(f"export lacks the weight of {name!r}")
+    return ExportedLinear(name, source, "bf16", weight=t[f"{name}.weight"])
+
+
+def _amax_from_encode(s_enc: np.float32) -> np.float32:
+    """An amax whose `global_encode_scale` is `s_enc` (6 * 448 / s_enc, nudged to round-trip)."""
+    import nvfp4_format
+
+    amax = np.float32(np.float32(6 * 448) / s_enc)
+    for candidate in (amax, np.nextafter(amax, np.inf), np.nextafter(amax, -np.inf)):
+        if nvfp4_format.global_encode_scale(np.float32(candidate)) == s_enc:
+            return np.float32(candidate)
+    return amax
+
+
+def _fused(modules: list[ExportedLinear], act_fmt: str, act_amax: float | None) -> ForwardLinear:
+    w = np.concatenate([dequantize_linear(m) for m in modules], axis=0)
+    return ForwardLinear(w, act_fmt, act_amax)
+
+
+def _act_fmt(recipe: str, source: str) -> str:
+    wf = weight_format(recipe, source)
+    return wf.fmt if wf.quantized_input else "none"
+
+
+def forward_weights(
+    spec: LlamaSpec,
+    linears: dict[str, list[ExportedLinear]],
+    recipes: dict[str, str],
+    dense: dict[str, np.ndarray],
+) -> ForwardWeights:
+    """`ForwardWeights` from exported linears (keyed by training path) and the dense tensors.
+
+    `dense` holds float32 "embed" [V, D], "final_norm", "lm_head" [V, D] and
+    "layers.{i}.attn_norm" / "layers.{i}.mlp_norm".
+    """
+    layers = []
+    for i in range(spec.num_layers):
+        layer = {n: dense[f"layers.{i}.{n}"] for n in ("attn_norm", "mlp_norm")}
+        for kind in LINEAR_NAMES:
+            source = f"layers.{i}.{kind}"
+            mods = linears[source]
+            layer[kind.split(".")[1]] = _fused(
+                mods, _act_fmt(recipes[source], source), mods[0].input_amax
+            )
+        layers.append(layer)
+    return ForwardWeights(
+        spec, dense["embed"], dense["final_norm"], dense["lm_head"], tuple(layers)
+    )
+
+
+def weights_from_checkpoint(
+    ckpt: Checkpoint, spec: LlamaSpec, recipes: dict[str, str], input_amax: dict[str, float]
+) -> ForwardWeights:
+    """The training model's forward weights (float32 norms, quantized linears as trained)."""
+    p = ckpt.params
+    linears = {
+        path: export_linear(spec, path, p[f"{path}.kernel"], recipes[path], input_amax.get(path))
+        for path in spec.linear_paths()
+    }
+    dense = {"embed": p["embed.embedding"], "final_norm": p["final_norm.scale"]}
+    dense["lm_head"] = p["embed.embedding"] if spec.tie_embeddings else p["lm_head.kernel"].T
+    for i in range(spec.num_layers):
+        for n in ("attn_norm", "mlp_norm"):
+            dense[f"layers.{i}.{n}"] = p[f"layers.{i}.{n}.scale"]
+    return forward_weights(spec, linears, recipes, dense)
+
+
+def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
+    """The forward weights a loader of the export computes with (dequantized, BF16 dense tensors)."""
+    spec, t = loaded.spec, loaded.tensors
+    recipes = loaded.provenance["recipes"]
+    amax = loaded.provenance.get("input_amax") or {}
+
+    def f32(name: str) -> np.ndarray:
+        if name not in t:
+            raise ExportError(f"export lacks tensor {name!r}")
+        return np.asarray(t[name]).astype(np.float32)
+
+    linears = {}
+    for source in spec.linear_paths():
+        mods = [linear_from_tensors(loaded, n, source) for n, _ in hf_modules(spec, source)]
+        linears[source] = [dataclasses.replace(m, input_amax=amax.get(source)) for m in mods]
+    dense = {"embed": f32("model.embed_tokens.weight"), "final_norm": f32("model.norm.weight")}
+    dense["lm_head"] = dense["embed"] if spec.tie_embeddings else f32("lm_head.weight")
+    for i in range(spec.num_layers):
+        dense[f"layers.{i}.attn_norm"] = f32(f"model.layers.{i}.input_layernorm.weight")
+        dense[f"layers.{i}.mlp_norm"] = f32(f"model.layers.{i}.post_attention_layernorm.weight")
+    return forward_weights(spec, linears, recipes, dense)

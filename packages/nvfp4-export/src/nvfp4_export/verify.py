@@ -1,0 +1,253 @@
+"""`verify`: reload an export, check its invariants, compare its logits with the trained model's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
+from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logits
+from nvfp4_export.errors import ExportError
+from nvfp4_export.forward import ForwardLinear, ForwardWeights, forward
+from nvfp4_export.invariants import layout_problems
+from nvfp4_export.linears import export_linear
+from nvfp4_export.model_spec import spec_from_config
+from nvfp4_export.policy import linear_recipes
+from nvfp4_export.reload import (
+    LoadedExport,
+    linear_from_tensors,
+    load_export,
+    weights_from_checkpoint,
+    weights_from_export,
+)
+
+TRAINED_TOP1 = 0.9
+"""Minimum top-1 agreement of the reload (activations as trained) with the trained model."""
+TRAINED_MEAN_REL = 0.05
+"""Maximum mean |diff| of that comparison, relative to the reference's mean |logit|."""
+LOADER_REL = 1e-3
+"""A real loader vs the NumPy forward on the same weights: max |diff| <= this * max |logit| + 1e-4."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Logits of `name` vs `against`: max / mean |diff|, top-1 agreement, pass (None: informational)."""
+
+    name: str
+    against: str
+    max_abs: float
+    mean_abs: float
+    top1: float
+    passed: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """Result of `verify`: broken invariants, logit comparisons, checks skipped (with reasons)."""
+
+    path: Path
+    problems: tuple[str, ...]
+    comparisons: tuple[Comparison, ...]
+    skipped: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(c.passed is not False for c in self.comparisons)
+
+
+def compare(name: str, against: str, out: np.ndarray, ref: np.ndarray, mode: str) -> Comparison:
+    """Compares logits; `mode` "trained", "loader" or "info" picks the pass criterion."""
+    diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+    top1 = float(np.mean(out.argmax(-1) == ref.argmax(-1)))
+    max_abs, mean_abs = float(diff.max()), float(diff.mean())
+    passed = None
+    if mode == "trained":
+        passed = top1 >= TRAINED_TOP1 and mean_abs <= TRAINED_MEAN_REL * float(np.abs(ref).mean())
+    elif mode == "loader":
+        passed = max_abs <= LOADER_REL * float(np.abs(ref).max()) + 1e-4
+    return Comparison(name, against, max_abs, mean_abs, top1, passed)
+
+
+def _bitexact_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
+    """Re-quantizes every linear from the checkpoint and compares the stored bytes."""
+    spec, recipes, problems = loaded.spec, loaded.provenance["recipes"], []
+    for source in spec.linear_paths():
+        fresh = export_linear(spec, source, ckpt.params[f"{source}.kernel"], recipes[source], None)
+        for m in fresh:
+            stored = linear_from_tensors(loaded, m.name, source)
+            for field in ("weight", "packed", "scales"):
+                a, b = getattr(m, field), getattr(stored, field)
+                if (a is None) != (b is None) or (
+                    a is not None and a.tobytes() != np.asarray(b).tobytes()
+                ):
+                    problems.append(f"{m.name}.{field} differs from the checkpoint's quantization")
+            if m.fmt == "nvfp4" and m.global_decode_scale != stored.global_decode_scale:
+                problems.append(f"{m.name}: global scale differs from the checkpoint's")
+    return problems
+
+
+def _bf16_weights(w: ForwardWeights) -> ForwardWeights:
+    """The weights compressed-tensors' CPU dequantization yields (rounded to BF16)."""
+    rnd = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    layers = tuple(
+        {
+            k: (dataclasses.replace(v, w_OxI=rnd(v.w_OxI)) if isinstance(v, ForwardLinear) else v)
+            for k, v in layer.items()
+        }
+        for layer in w.layers
+    )
+    return dataclasses.replace(w, layers=layers)
+
+
+def _reference(ckpt: Checkpoint, weights: ForwardWeights, n: int, length: int):
+    if ckpt.reference is not None:
+        return ckpt.reference["tokens"], ckpt.reference["logits"], "JAX reference (checkpoint item)"
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, weights.spec.vocab_size, size=(n, length)).astype(np.int32)
+    return tokens, forward(weights, tokens), "trained model (NumPy emulation; no reference item)"
+
+
+def _hf_comparisons(loaded, tokens, ref, ref_name, skipped) -> list[Comparison]:
+    if loaded.layout != "compressed-tensors":
+        skipped.append("transformers: the ModelOpt layout does not load in transformers on CPU")
+        return []
+    absent = missing("torch", "transformers", "compressed_tensors")
+    if absent:
+        skipped.append(f"transformers + compressed-tensors: not installed ({', '.join(absent)})")
+        return []
+    hf = transformers_logits(loaded.path, tokens)
+    expected = forward(
+        _bf16_weights(weights_from_export(loaded)),
+        tokens,
+        activations="none",
+        compute_dtype="float32",
+    )
+    out = [
+        compare(
+            "transformers+compressed-tensors",
+            "NumPy forward, same weights (fp32)",
+            hf,
+            expected,
+            "loader",
+        )
+    ]
+    if ref is not None:
+        out.append(compare("transformers+compressed-tensors", ref_name, hf, ref, "info"))
+    return out
+
+
+def verify_dir(path: Path, against: Path | None, n: int) -> VerifyReport:
+    loaded = load_export(path)
+    problems, skipped, comparisons = layout_problems(loaded), [], []
+    weights = weights_from_export(loaded)
+    tokens, ref, ref_name = None, None, None
+    if against is not None:
+        ckpt = read_checkpoint(resolve_checkpoint(against, loaded.provenance.get("step")))
+        problems += _bitexact_problems(loaded, ckpt)
+        spec = spec_from_config(ckpt.config, ckpt.params)
+        trained = weights_from_checkpoint(ckpt, spec, loaded.provenance["recipes"], {})
+        tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))
+        comparisons.append(
+            compare(
+                "export reload, activations as trained",
+                ref_name,
+                forward(weights, tokens),
+                ref,
+                "trained",
+            )
+        )
+        if loaded.provenance.get("w4a4") and loaded.provenance.get("format") == "nvfp4":
+            static = forward(weights, tokens, activations="static")
+            comparisons.append(
+                compare(
+                    "export reload, W4A4 with the exported input scales",
+                    ref_name,
+                    static,
+                    ref,
+                    "info",
+                )
+            )
+        comparisons.append(
+            compare(
+                "export reload, weight-only",
+                ref_name,
+                forward(weights, tokens, activations="none"),
+                ref,
+                "info",
+            )
+        )
+    else:
+        skipped.append("trained-model comparison: no --against run given")
+        tokens = np.random.default_rng(0).integers(
+            0, loaded.spec.vocab_size, size=(n, min(32, loaded.spec.max_seq_len))
+        )
+    comparisons += _hf_comparisons(loaded, tokens, ref, ref_name, skipped)
+    return VerifyReport(path, tuple(problems), tuple(comparisons), tuple(skipped))
+
+
+def verify_onnx(path: Path, against: Path | None, n: int) -> VerifyReport:
+    if against is None:
+        raise ExportError(
+            "verifying an .onnx file needs --against RUN_DIR (the weights to compare with)"
+        )
+    absent = missing("onnx", "onnxruntime")
+    if absent:
+        return VerifyReport(path, (), (), (f"onnxruntime: not installed ({', '.join(absent)})",))
+    ckpt = read_checkpoint(resolve_checkpoint(against))
+    spec = spec_from_config(ckpt.config, ckpt.params)
+    recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
+    trained = weights_from_checkpoint(ckpt, spec, recipes, {})
+    tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))
+    got = onnxruntime_logits(path, tokens)
+    bf16_norms = _bf16_dense(trained)
+    expected = forward(bf16_norms, tokens, activations="none", compute_dtype="float32")
+    comparisons = (
+        compare("onnxruntime (CPU)", "NumPy forward, same weights (fp32)", got, expected, "loader"),
+        compare("onnxruntime (CPU)", ref_name, got, ref, "info"),
+    )
+    return VerifyReport(path, (), comparisons, ())
+
+
+def _bf16_dense(w: ForwardWeights) -> ForwardWeights:
+    """`w` with norms, embedding and lm_head rounded to BF16, as the exports store them."""
+    rnd = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    layers = tuple(
+        {k: (rnd(v) if k.endswith("norm") else v) for k, v in layer.items()} for layer in w.layers
+    )
+    return dataclasses.replace(
+        w, embed_VxD=rnd(w.embed_VxD), lm_head_VxD=rnd(w.lm_head_VxD), final_norm=rnd(w.final_norm),
+        layers=layers,
+    )  # fmt: skip
+
+
+def verify(
+    path: str | Path, *, against: str | Path | None = None, sequences: int = 4
+) -> VerifyReport:
+    """Checks an export directory or .onnx file; compares with the run `against` when given.
+
+    Raises:
+        ExportError: the export cannot be read at all.
+    """
+    path = Path(path)
+    against = None if against is None else Path(against)
+    if path.suffix == ".onnx":
+        return verify_onnx(path, against, sequences)
+    return verify_dir(path, against, sequences)
+
+
+def render(report: VerifyReport) -> str:
+    """A text report: problems, a comparison table, skips and the verdict."""
+    lines = [f"verify {report.path}"]
+    lines += [f"  PROBLEM: {p}" for p in report.problems] or ["  layout invariants: ok"]
+    for c in report.comparisons:
+        verdict = {True: "ok", False: "FAIL", None: "info"}[c.passed]
+        lines.append(
+            f"  {c.name} vs {c.against}: max |diff| {c.max_abs:.3g}, mean {c.mean_abs:.3g}, "
+            f"top-1 agreement {c.top1:.1%} [{verdict}]"
+        )
+    lines += [f"  skipped: {s}" for s in report.skipped]
+    lines.append("  result: " + ("OK" if report.ok else "FAILED"))
+    return "\n".join(lines)
