@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 
-def tiny_config(output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+def _tiny_config(output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A plain config mapping: 1-layer model on synthetic tokens; `sections` update it."""
     cfg: dict[str, Any] = {
         "output_dir": str(output_dir),
@@ -44,13 +43,7 @@ def tiny_config(output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-@pytest.fixture
-def write_config(tmp_path: Path):
-    """Writes `tiny_config(...)` to a YAML file and returns its path."""
-
-    def write(name: str = "run", **sections: dict[str, Any]) -> Path:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(tiny_config(tmp_path / name, **sections)))
-        return path
-
-    return write
+@pytest.fixture(scope="session")
+def tiny_config():
+    """`tiny_config(output_dir, **sections)`: a plain config mapping (see `_tiny_config`)."""
+    return _tiny_config

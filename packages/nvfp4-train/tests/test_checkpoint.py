@@ -78,10 +78,16 @@ def test_async_save_completes_on_close(tmp_path):
 def test_on_disk_schema_is_plain(tmp_path):
     """What docs/checkpoint-schema.md promises a reader that does not import nvfp4_train."""
     state = _state(0)
+    recipes = {"layers.0.attn.qkv": "nvfp4"}
     with Checkpoints(tmp_path, keep=1) as ckpts:
-        ckpts.save(5, state, data_iter_state={"next_index": 9}, config={"a": [1, 2]})
+        ckpts.save(
+            5, state, data_iter_state={"next_index": 9}, config={"a": [1, 2]},
+            quant_stats={"recipes": recipes},
+        )  # fmt: skip
     step_dir = tmp_path / "5"
-    assert {p.name for p in step_dir.iterdir()} >= {"params", "opt_state", "data_iter", "config"}
+    items = {"params", "opt_state", "data_iter", "config", "quant_stats"}
+    assert {p.name for p in step_dir.iterdir()} >= items
+    assert json.loads((step_dir / "quant_stats" / "metadata").read_text()) == {"recipes": recipes}
     params = ocp.StandardCheckpointer().restore(step_dir / "params")  # no target
     assert params["layers"]["0"]["attn"]["qkv"]["kernel"].dtype == np.float32
     assert params["final_norm"]["scale"].dtype == jnp.bfloat16

@@ -11,7 +11,6 @@ import yaml
 from nvfp4_train.cli import main
 from nvfp4_train.config import config_from_dict, load_config
 from nvfp4_train.metrics import read_metrics
-from conftest import tiny_config
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -21,7 +20,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
+def cli_run(tmp_path_factory, tiny_config):
     """`nvfp4-train run tiny.yaml train.steps=10` in a subprocess (BF16 keeps compilation short)."""
     root = tmp_path_factory.mktemp("cli")
     config = root / "tiny.yaml"
@@ -61,7 +60,7 @@ def test_plot_writes_png(cli_run, tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
 
 
-def test_show_config_round_trips(tmp_path, capsys):
+def test_show_config_round_trips(tmp_path, capsys, tiny_config):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path / "r")))
     assert main(["show-config", str(config), "model.num_layers=3", "precision.recipe=fp8"]) == 0
@@ -89,7 +88,7 @@ def test_show_config_round_trips(tmp_path, capsys):
         (["plot", "{tmp}"], "has no metrics.jsonl"),
     ],
 )
-def test_user_errors_exit_2_with_one_line(args, needle, tmp_path, capsys):
+def test_user_errors_exit_2_with_one_line(args, needle, tmp_path, capsys, tiny_config):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tmp_path / "r")))
     values = {"cfg": config, "missing": tmp_path / "missing.yaml", "tmp": tmp_path}
@@ -104,7 +103,7 @@ def test_user_error_in_subprocess_has_no_traceback(tmp_path):
     result = _cli("run", str(config))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: unknown config key 'trian' (did you mean 'train'?); allowed keys: "
+        "error: unknown config key 'trian' (did you mean 'train'?); allowed keys: "
         "output_dir, model, precision, optimizer, data, train, checkpoint, logging"
     ]
 

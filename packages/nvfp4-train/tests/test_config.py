@@ -224,3 +224,13 @@ def test_generic_builder_handles_tuples_dicts_literals_optionals():
         build(_Outer, {"table": {"k": "big"}})
     with pytest.raises(ConfigError, match=r"mode: expected one of 'a', 'b', got 'c'"):
         build(_Outer, {"mode": "c"})
+
+
+def test_readme_documents_every_key_with_its_default():
+    readme = (REPO / "packages" / "nvfp4-train" / "README.md").read_text()
+    flat = {"output_dir": Config().output_dir}
+    for section, values in to_dict(Config()).items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{k}": v for k, v in values.items()})
+    for key in flat:
+        assert f"| `{key}` |" in readme, f"README config table lacks {key}"

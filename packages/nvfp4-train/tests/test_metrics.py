@@ -24,11 +24,15 @@ from nvfp4_train.metrics import (
 
 
 def _steps(*losses: float) -> list[dict[str, float]]:
-    return [{"loss": v, "grad_norm": 2 * v, "lr": 0.1 * i, "skipped": 0} for i, v in enumerate(losses)]
+    return [
+        {"loss": v, "grad_norm": 2 * v, "lr": 0.1 * i, "skipped": 0} for i, v in enumerate(losses)
+    ]
 
 
 def test_summarize_window_means_and_rates():
-    row = summarize_window(_steps(1.0, 2.0, 3.0, 6.0), step=40, seconds=2.0, tokens=4000, skipped_total=3)
+    row = summarize_window(
+        _steps(1.0, 2.0, 3.0, 6.0), step=40, seconds=2.0, tokens=4000, skipped_total=3
+    )
     assert row == {
         "step": 40,
         "loss": 3.0,
@@ -48,7 +52,9 @@ def test_summarize_window_rejects_empty_window():
 
 def test_format_row_shows_the_fields_present():
     assert format_row({"step": 5, "val_loss": 1.25}) == "step 5  val_loss 1.2500"
-    line = format_row(summarize_window(_steps(2.5), step=7, seconds=1.0, tokens=100, skipped_total=0))
+    line = format_row(
+        summarize_window(_steps(2.5), step=7, seconds=1.0, tokens=100, skipped_total=0)
+    )
     assert line.startswith("step 7  loss 2.5000  lr 0.00e+00") and "tok/s 100" in line
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import shutil
 
 import pytest
@@ -11,7 +12,6 @@ import yaml
 from nvfp4_train.config import ConfigError, config_from_dict, load_config
 from nvfp4_train.metrics import read_metrics
 from nvfp4_train.run import evaluate_run, run
-from conftest import tiny_config
 
 STEPS = 8
 SECTIONS = {
@@ -21,7 +21,7 @@ SECTIONS = {
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def two_runs(tmp_path_factory, tiny_config):
     """The same config (NVFP4, stochastic rounding) trained twice in two run directories."""
     root = tmp_path_factory.mktemp("runs")
     outputs = []
@@ -48,7 +48,15 @@ def test_run_writes_its_outputs(two_runs):
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert summary.val_loss == rows[-1]["val_loss"] and summary.last_loss == rows[-1]["loss"]
     assert load_config(run_dir / "config.yaml").model.vocab_size == 64  # resolved from the data
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["4", "8"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "4",
+        "8",
+    ]
+    stats = json.loads((run_dir / "checkpoints" / "8" / "quant_stats" / "metadata").read_text())
+    assert stats["recipes"] == {
+        "layers.0.attn.qkv": "nvfp4", "layers.0.attn.o": "nvfp4",
+        "layers.0.mlp.gate_up": "nvfp4", "layers.0.mlp.down": "nvfp4",
+    }  # fmt: skip
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
     assert "parameters" in text and str(run_dir.resolve()) in text
@@ -63,11 +71,14 @@ def test_loss_falls(two_runs):
 def test_rerun_with_same_seed_is_bit_identical(two_runs):
     root, _ = two_runs
     assert _losses(root / "a") == _losses(root / "b")
-    val = [[r["val_loss"] for r in read_metrics(root / d / "metrics.jsonl") if "val_loss" in r] for d in "ab"]
+    val = [
+        [r["val_loss"] for r in read_metrics(root / d / "metrics.jsonl") if "val_loss" in r]
+        for d in "ab"
+    ]
     assert val[0] == val[1]
 
 
-def test_resume_continues_from_checkpoint_exactly(two_runs):
+def test_resume_continues_from_checkpoint_exactly(two_runs, tiny_config):
     """Drop run b's last checkpoint: rerunning resumes at step 4 and reproduces steps 5..8."""
     root, _ = two_runs
     shutil.rmtree(root / "b" / "checkpoints" / str(STEPS))
@@ -79,7 +90,7 @@ def test_resume_continues_from_checkpoint_exactly(two_runs):
     assert _losses(root / "b") == _losses(root / "a")
 
 
-def test_rerun_of_a_finished_run_does_nothing(two_runs):
+def test_rerun_of_a_finished_run_does_nothing(two_runs, tiny_config):
     root, _ = two_runs
     out = io.StringIO()
     summary = run(config_from_dict(tiny_config(root / "a", **SECTIONS)), stream=out)
@@ -88,7 +99,7 @@ def test_rerun_of_a_finished_run_does_nothing(two_runs):
     assert len(read_metrics(root / "a" / "metrics.jsonl")) == STEPS
 
 
-def test_resume_with_a_different_model_is_refused(two_runs):
+def test_resume_with_a_different_model_is_refused(two_runs, tiny_config):
     root, _ = two_runs
     cfg = config_from_dict(tiny_config(root / "a", **SECTIONS), ["model.mlp_dim=32"])
     with pytest.raises(ConfigError, match=r"different run \(model\.mlp_dim differ\)"):
@@ -106,7 +117,7 @@ def test_evaluate_run_appends_a_row(two_runs):
     assert out.getvalue().startswith(f"step {STEPS}  val_loss")
 
 
-def test_evaluate_run_errors(tmp_path):
+def test_evaluate_run_errors(tmp_path, tiny_config):
     with pytest.raises(ConfigError, match="is not a run directory"):
         evaluate_run(tmp_path)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(tiny_config(tmp_path)))

@@ -2,8 +2,8 @@
 
 On disk (see docs/checkpoint-schema.md): `<run_dir>/checkpoints/<step>/` holds one orbax item per
 `TrainState` field except `step` (`params`, `opt_state`: orbax PyTree/OCDBT, restorable without a
-target), `data_iter` (JSON: the grain iterator state) and `config` (JSON: the resolved config). The step
-is the directory name.
+target), `data_iter` (JSON: the grain iterator state), `config` (JSON: the resolved config) and
+`quant_stats` (JSON: `recipes`, module path -> recipe name). The step is the directory name.
 
 Example:
     >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 
 DATA_ITER_ITEM = "data_iter"
 CONFIG_ITEM = "config"
+QUANT_STATS_ITEM = "quant_stats"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +98,30 @@ class Checkpoints:
         """Steps of the checkpoints on disk, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: NamedTuple, *, data_iter_state: Any, config: dict) -> None:
-        """Saves `state` (a TrainState NamedTuple), the iterator state and the config at `step`."""
+    def save(
+        self,
+        step: int,
+        state: NamedTuple,
+        *,
+        data_iter_state: Any,
+        config: dict[str, Any],
+        quant_stats: dict[str, Any] | None = None,
+    ) -> None:
+        """Saves a checkpoint at `step`.
+
+        Args:
+            step: the step number (the checkpoint's directory name).
+            state: a TrainState NamedTuple; every field but `step` becomes an item.
+            data_iter_state: `train_iterator().get_state()` (bytes or a JSON-ready dict).
+            config: the resolved config as plain data.
+            quant_stats: JSON-ready facts for readers such as export: `recipes` (module path ->
+                recipe name of every linear).
+        """
         items = {k: ocp.args.StandardSave(v) for k, v in _state_items(state).items()}
         items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
         items[CONFIG_ITEM] = ocp.args.JsonSave(config)
+        if quant_stats is not None:
+            items[QUANT_STATS_ITEM] = ocp.args.JsonSave(quant_stats)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def read_config(self, step: int) -> dict[str, Any]:

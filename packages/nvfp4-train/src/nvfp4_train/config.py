@@ -49,7 +49,7 @@ class TrainConfig:
         seq_len: tokens per sequence.
         grad_accum_steps: microbatches per optimizer step; must divide `batch_size`.
         eval_every: validation-loss interval in steps (0: only at the end).
-        eval_batches: validation batches per evaluation (None: the whole validation split).
+        eval_batches: validation batches per evaluation (None: all `data.validation_batches`).
         log_every: interval in steps of metrics rows, TensorBoard points and log lines.
     """
 

@@ -32,6 +32,7 @@ from nvfp4_train.metrics import (
     truncate_metrics,
 )
 from nvfp4_train.optim import make_optimizer
+from nvfp4_train.policy import layer_recipe_names
 from nvfp4_train.step import count_params, init_state, make_eval_step, make_train_step
 
 CONFIG_FILE = "config.yaml"
@@ -218,6 +219,7 @@ class _Loop:
         self.eval_step = jax.jit(make_eval_step(cfg, graphdef))
         self.val_batches = _eval_batches(cfg, datasets)
         self.config_dict = to_dict(cfg)
+        self.quant_stats = {"recipes": layer_recipe_names(cfg.model, cfg.precision)}
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.cfg.train.eval_every
@@ -271,7 +273,11 @@ class _Loop:
                     outputs.progress.update(step)
                 if self._is_checkpoint_step(step):
                     self.ckpts.save(
-                        step, state, data_iter_state=iterator.get_state(), config=self.config_dict
+                        step,
+                        state,
+                        data_iter_state=iterator.get_state(),
+                        config=self.config_dict,
+                        quant_stats=self.quant_stats,
                     )
                 if not window:  # evaluation and checkpointing do not count as step time
                     t_window = time.perf_counter()
