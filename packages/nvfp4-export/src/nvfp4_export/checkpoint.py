@@ -127,17 +127,28 @@ def _restore_pytree(item_dir: Path) -> Any:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(item_dir)
+    try:
+        metadata = checkpointer.metadata(item_dir)
+    except BaseException:
+        checkpointer.close()
+        raise
     tree = getattr(metadata, "item_metadata", metadata)
     tree = getattr(tree, "tree", tree)
     args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(item_dir, restore_args=args)
+    try:
+        return checkpointer.restore(item_dir, restore_args=args)
+    finally:
+        checkpointer.close()
 
 
 def _restore_json(item_dir: Path) -> Any:
     import orbax.checkpoint as ocp
 
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(item_dir)
+    checkpointer = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+    try:
+        return checkpointer.restore(item_dir)
+    finally:
+        checkpointer.close()
 
 
 def _read_item(step_dir: Path, name: str, reader, *, required: bool) -> Any:

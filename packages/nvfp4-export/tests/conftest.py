@@ -1,0 +1,116 @@
+"""Fixtures: tiny fake runs written with orbax directly in the training schema (no nvfp4_train)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+VOCAB = 257  # byte tokenizer: 256 bytes + <|endoftext|>
+
+
+def model_config(**overrides) -> dict:
+    model = {
+        "vocab_size": VOCAB, "d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+        "head_dim": 0, "mlp_dim": 96, "max_seq_len": 32, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "tie_embeddings": False, "init_std": 0.02, "dtype": "bfloat16",
+    }  # fmt: skip
+    model.update(overrides)
+    return model
+
+
+def random_params(model: dict, seed: int = 0) -> dict:
+    """A params tree of the training model's form (float32; norms near 1, like trained ones)."""
+    rng = np.random.default_rng(seed)
+    d, f, v, n = model["d_model"], model["mlp_dim"], model["vocab_size"], model["num_layers"]
+    hd = model["head_dim"] or d // model["num_heads"]
+    nh, nkv = model["num_heads"], model["num_kv_heads"]
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm():
+        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+    layers = {
+        str(i): {
+            "attn_norm": {"scale": norm()},
+            "mlp_norm": {"scale": norm()},
+            "attn": {"qkv": {"kernel": w(d, (nh + 2 * nkv) * hd)}, "o": {"kernel": w(nh * hd, d)}},
+            "mlp": {"gate_up": {"kernel": w(d, 2 * f)}, "down": {"kernel": w(f, d)}},
+        }
+        for i in range(n)
+    }
+    params = {"embed": {"embedding": w(v, d, std=0.5)}, "layers": layers, "final_norm": {"scale": norm()}}
+    if not model["tie_embeddings"]:
+        params["lm_head"] = {"kernel": w(d, v, std=0.2)}
+    return params
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer.json like the training data package's byte tokenizer writes."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    printable = [*range(33, 127), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in printable]
+    chars = dict(zip([*printable, *extra], map(chr, [*printable, *range(256, 256 + len(extra))]), strict=True))
+    hf = tokenizers.Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|endoftext|>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    hf.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def write_run(
+    run_dir: Path,
+    *,
+    model: dict | None = None,
+    precision: dict | None = None,
+    steps: tuple[int, ...] = (2,),
+    quant_stats: dict | None = None,
+    reference: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Writes run_dir/{config.yaml, tokenizer/, checkpoints/<step>/{params, config, ...}}."""
+    import orbax.checkpoint as ocp
+    import yaml
+
+    model = model or model_config()
+    config = {"output_dir": str(run_dir), "model": model, "precision": precision or {"recipe": "nvfp4"}}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    write_tokenizer(run_dir / "tokenizer")
+    options = ocp.CheckpointManagerOptions(max_to_keep=10, create=True)
+    with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
+        for k, step in enumerate(steps):
+            items = {
+                "params": ocp.args.StandardSave(random_params(model, seed + k)),
+                "config": ocp.args.JsonSave(config),
+            }
+            if quant_stats is not None:
+                items["quant_stats"] = ocp.args.JsonSave(quant_stats)
+            if reference is not None:
+                items["reference"] = ocp.args.StandardSave(reference)
+            manager.save(step, args=ocp.args.Composite(**items), force=True)
+        manager.wait_until_finished()
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    """A 4-block NVFP4 run (blocks 0 and 3 BF16 by the rule), two checkpoints (steps 2 and 4)."""
+    return write_run(tmp_path_factory.mktemp("runs") / "tiny", steps=(2, 4))
+
+
+def add_pytree_item(step_dir: Path, name: str, tree: dict) -> None:
+    """Writes an orbax PyTree item (e.g. `reference`) into an existing step directory."""
+    import orbax.checkpoint as ocp
+
+    ocp.PyTreeCheckpointer().save((step_dir / name).absolute(), tree)
