@@ -43,7 +43,11 @@ def random_params(model: dict, seed: int = 0) -> dict:
         }
         for i in range(n)
     }
-    params = {"embed": {"embedding": w(v, d, std=0.5)}, "layers": layers, "final_norm": {"scale": norm()}}
+    params = {
+        "embed": {"embedding": w(v, d, std=0.5)},
+        "layers": layers,
+        "final_norm": {"scale": norm()},
+    }
     if not model["tie_embeddings"]:
         params["lm_head"] = {"kernel": w(d, v, std=0.2)}
     return params
@@ -56,7 +60,11 @@ def write_tokenizer(directory: Path) -> None:
 
     printable = [*range(33, 127), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     extra = [b for b in range(256) if b not in printable]
-    chars = dict(zip([*printable, *extra], map(chr, [*printable, *range(256, 256 + len(extra))]), strict=True))
+    chars = dict(
+        zip(
+            [*printable, *extra], map(chr, [*printable, *range(256, 256 + len(extra))]), strict=True
+        )
+    )
     hf = tokenizers.Tokenizer(models.BPE(vocab={c: b for b, c in chars.items()}, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
@@ -83,7 +91,11 @@ def write_run(
     import yaml
 
     model = model or model_config()
-    config = {"output_dir": str(run_dir), "model": model, "precision": precision or {"recipe": "nvfp4"}}
+    config = {
+        "output_dir": str(run_dir),
+        "model": model,
+        "precision": precision or {"recipe": "nvfp4"},
+    }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     write_tokenizer(run_dir / "tokenizer")

@@ -45,8 +45,15 @@ def test_invariants_metadata_and_exclusions(exports):
         assert not loaded.provenance["w4a4"]
     hq = json.loads((exports["modelopt"] / "hf_quant_config.json").read_text())
     q = hq["quantization"]
-    assert q["quant_algo"] == "W4A16_NVFP4" and q["group_size"] == 16 and q["kv_cache_quant_algo"] is None
-    assert q["exclude_modules"][0] == "lm_head" and "model.layers.0.mlp.down_proj" in q["exclude_modules"]
+    assert (
+        q["quant_algo"] == "W4A16_NVFP4"
+        and q["group_size"] == 16
+        and q["kv_cache_quant_algo"] is None
+    )
+    assert (
+        q["exclude_modules"][0] == "lm_head"
+        and "model.layers.0.mlp.down_proj" in q["exclude_modules"]
+    )
     assert "model.layers.1.mlp.down_proj" not in q["exclude_modules"]
     cfg = json.loads((exports["compressed-tensors"] / "config.json").read_text())
     qc = cfg["quantization_config"]
@@ -60,8 +67,12 @@ def test_invariants_metadata_and_exclusions(exports):
 def test_a_broken_invariant_is_reported(exports, tmp_path):
     loaded = load_export(exports["modelopt"])
     tensors = dict(loaded.tensors)
-    tensors["model.layers.1.self_attn.k_proj.weight_scale_2"] = np.float32(1.0) * np.ones((), np.float32)
-    broken = type(loaded)(loaded.path, loaded.config, loaded.provenance, loaded.hf_quant_config, tensors, loaded.files)
+    tensors["model.layers.1.self_attn.k_proj.weight_scale_2"] = np.float32(1.0) * np.ones(
+        (), np.float32
+    )
+    broken = type(loaded)(
+        loaded.path, loaded.config, loaded.provenance, loaded.hf_quant_config, tensors, loaded.files
+    )
     assert any("not shared" in p for p in layout_problems(broken))
 
 
@@ -73,7 +84,11 @@ def test_nvfp4_format_inspect_reads_the_exports(exports):
 
 
 def test_w4a4_from_quant_stats_writes_shared_input_scales(tmp_path):
-    paths = [f"layers.{i}.{n}" for i in range(4) for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")]
+    paths = [
+        f"layers.{i}.{n}"
+        for i in range(4)
+        for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    ]
     stats = {"activation_amax": {p: 2.0 + k for k, p in enumerate(paths)}}
     run = write_run(tmp_path / "run", quant_stats=stats)
     mo = export_hf(run, tmp_path / "mo", layout="modelopt")
@@ -84,21 +99,38 @@ def test_w4a4_from_quant_stats_writes_shared_input_scales(tmp_path):
     for m in ("q_proj", "k_proj", "v_proj"):
         name = f"model.layers.1.self_attn.{m}"
         assert a[name + ".input_scale"] == nvfp4_format.global_decode_scale(np.float32(amax))
-        assert b[name + ".input_global_scale"][0] == nvfp4_format.global_encode_scale(np.float32(amax))
-    assert json.loads((mo.out_dir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+        assert b[name + ".input_global_scale"][0] == nvfp4_format.global_encode_scale(
+            np.float32(amax)
+        )
+    assert (
+        json.loads((mo.out_dir / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        == "NVFP4"
+    )
     assert layout_problems(load_export(ct.out_dir)) == []
     weight_only = export_hf(run, tmp_path / "wo", layout="modelopt", weight_only=True)
-    assert not weight_only.plan.w4a4 and "model.layers.1.self_attn.q_proj.input_scale" not in load_export(weight_only.out_dir).tensors
+    assert (
+        not weight_only.plan.w4a4
+        and "model.layers.1.self_attn.q_proj.input_scale"
+        not in load_export(weight_only.out_dir).tensors
+    )
 
 
 def test_calibration_from_reference_tokens(tmp_path):
     run = write_run(tmp_path / "run")
     tokens = np.random.default_rng(1).integers(0, 257, size=(3, 16)).astype(np.int32)
-    add_pytree_item(run / "checkpoints" / "2", "reference", {"tokens": tokens, "logits": np.zeros((3, 16, 257), np.float32)})
+    add_pytree_item(
+        run / "checkpoints" / "2",
+        "reference",
+        {"tokens": tokens, "logits": np.zeros((3, 16, 257), np.float32)},
+    )
     result = export_hf(run, tmp_path / "out", layout="compressed-tensors", calibrate_n=2)
     assert result.plan.w4a4 and result.amax_source == "calibration"
     amax = load_export(result.out_dir).provenance["input_amax"]
-    assert set(amax) == {f"layers.{i}.{n}" for i in range(4) for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")}
+    assert set(amax) == {
+        f"layers.{i}.{n}"
+        for i in range(4)
+        for n in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    }
     assert all(v > 0 for v in amax.values())
 
 
@@ -138,7 +170,9 @@ def test_unknown_layout(tiny_run, tmp_path):
 
 
 def test_sharded_output_has_an_index(tiny_run, tmp_path):
-    result = export_hf(tiny_run, tmp_path / "out", layout="compressed-tensors", max_shard_bytes=60_000)
+    result = export_hf(
+        tiny_run, tmp_path / "out", layout="compressed-tensors", max_shard_bytes=60_000
+    )
     index = json.loads((result.out_dir / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files[0].startswith("model-00001-of-")

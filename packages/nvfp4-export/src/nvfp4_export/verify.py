@@ -139,6 +139,38 @@ def _hf_comparisons(loaded, tokens, ref, ref_name, skipped) -> list[Comparison]:
     return out
 
 
+def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) -> list[Comparison]:
+    """The export's forward vs the trained model's (see docs/export.md, "verify")."""
+    out = []
+    if ckpt.reference is not None:
+        emulated = forward(trained, tokens)
+        out.append(
+            compare("NumPy emulation of the trained model", ref_name, emulated, ref, "trained")
+        )
+    reload = forward(weights, tokens)
+    same_dense = forward(_bf16_dense(trained), tokens)
+    out.append(
+        compare(
+            "export reload, activations as trained",
+            "trained model with the export's BF16 norms",
+            reload,
+            same_dense,
+            "loader",
+        )
+    )
+    out.append(compare("export reload, activations as trained", ref_name, reload, ref, "info"))
+    if loaded.provenance.get("w4a4") and loaded.provenance.get("format") == "nvfp4":
+        static = forward(weights, tokens, activations="static")
+        out.append(
+            compare(
+                "export reload, W4A4 with the exported input scales", ref_name, static, ref, "info"
+            )
+        )
+    weight_only = forward(weights, tokens, activations="none")
+    out.append(compare("export reload, weight-only", ref_name, weight_only, ref, "info"))
+    return out
+
+
 def verify_dir(path: Path, against: Path | None, n: int) -> VerifyReport:
     loaded = load_export(path)
     problems, skipped, comparisons = layout_problems(loaded), [], []
@@ -150,35 +182,7 @@ def verify_dir(path: Path, against: Path | None, n: int) -> VerifyReport:
         spec = spec_from_config(ckpt.config, ckpt.params)
         trained = weights_from_checkpoint(ckpt, spec, loaded.provenance["recipes"], {})
         tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))
-        comparisons.append(
-            compare(
-                "export reload, activations as trained",
-                ref_name,
-                forward(weights, tokens),
-                ref,
-                "trained",
-            )
-        )
-        if loaded.provenance.get("w4a4") and loaded.provenance.get("format") == "nvfp4":
-            static = forward(weights, tokens, activations="static")
-            comparisons.append(
-                compare(
-                    "export reload, W4A4 with the exported input scales",
-                    ref_name,
-                    static,
-                    ref,
-                    "info",
-                )
-            )
-        comparisons.append(
-            compare(
-                "export reload, weight-only",
-                ref_name,
-                forward(weights, tokens, activations="none"),
-                ref,
-                "info",
-            )
-        )
+        comparisons += _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt)
     else:
         skipped.append("trained-model comparison: no --against run given")
         tokens = np.random.default_rng(0).integers(
