@@ -1,11 +1,22 @@
-"""Shared fixtures: a config small enough that a whole CLI run takes seconds on a CPU."""
+"""Shared fixtures: a config small enough that a whole run takes seconds on a CPU, and two runs of it."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+RUN_STEPS = 8
+RUN_SECTIONS = {
+    "train": {"log_every": 1, "eval_every": 4},
+    "checkpoint": {"every_steps": 4, "keep": 3},
+}
 
 
 def _tiny_config(output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -47,3 +58,66 @@ def _tiny_config(output_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]
 def tiny_config():
     """`tiny_config(output_dir, **sections)`: a plain config mapping (see `_tiny_config`)."""
     return _tiny_config
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRuns:
+    """One NVFP4 config trained twice: by the CLI in a subprocess and by `run()` in-process.
+
+    Attributes:
+        cli_dir: the run directory of `python -m nvfp4_train run cli.yaml train.steps=8`.
+        cli_result: that subprocess (returncode, stdout, stderr).
+        api_dir: the run directory of `nvfp4_train.run.run(cfg)` with the same config.
+        api_summary: what `run` returned.
+        api_output: what `run` printed.
+        steps: `train.steps` of both runs.
+        sections: the config sections both runs updated `tiny_config` with.
+    """
+
+    cli_dir: Path
+    cli_result: subprocess.CompletedProcess
+    api_dir: Path
+    api_summary: Any
+    api_output: str
+    steps: int = RUN_STEPS
+    sections: dict = dataclasses.field(
+        default_factory=lambda: {
+            **RUN_SECTIONS,
+            "train": {**RUN_SECTIONS["train"], "steps": RUN_STEPS},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory) -> TrainedRuns:
+    """Both runs at once (XLA compiles on one core each), `RUN_STEPS` steps, checkpoints at 4 and 8."""
+    from nvfp4_train.config import config_from_dict
+    from nvfp4_train.run import run
+
+    root = tmp_path_factory.mktemp("trained")
+    cli_config = root / "cli.yaml"
+    cli_train = {**RUN_SECTIONS["train"], "steps": 50}  # the command line sets 8
+    cli_config.write_text(
+        yaml.safe_dump(_tiny_config(root / "cli", **{**RUN_SECTIONS, "train": cli_train}))
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "nvfp4_train",
+        "run",
+        str(cli_config),
+        f"train.steps={RUN_STEPS}",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        api_train = {**RUN_SECTIONS["train"], "steps": RUN_STEPS}
+        cfg = config_from_dict(_tiny_config(root / "api", **{**RUN_SECTIONS, "train": api_train}))
+        output = io.StringIO()
+        summary = run(cfg, stream=output)
+        stdout, stderr = process.communicate(timeout=900)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    assert result.returncode == 0, result.stderr
+    return TrainedRuns(root / "cli", result, root / "api", summary, output.getvalue())

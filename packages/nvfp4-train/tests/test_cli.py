@@ -1,4 +1,4 @@
-"""The `nvfp4-train` command line: a real run in a subprocess, then eval, plot, and user errors."""
+"""The `nvfp4-train` command line: a real run in a subprocess (conftest), eval, plot, user errors."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from nvfp4_train.cli import main
 from nvfp4_train.config import config_from_dict, load_config
 from nvfp4_train.metrics import read_metrics
 
+RUN_STEPS = 8  # conftest's trained_runs
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -19,43 +21,34 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def cli_run(tmp_path_factory, tiny_config):
-    """`nvfp4-train run tiny.yaml train.steps=10` in a subprocess (BF16 keeps compilation short)."""
-    root = tmp_path_factory.mktemp("cli")
-    config = root / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(root / "run")))
-    result = _cli("run", str(config), "train.steps=10", "precision.recipe=bf16")
-    assert result.returncode == 0, result.stderr
-    return root / "run", result
-
-
-def test_run_end_to_end(cli_run):
-    run_dir, result = cli_run
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
+def test_run_end_to_end(trained_runs):
+    run_dir, result = trained_runs.cli_dir, trained_runs.cli_result
+    assert trained_runs.steps == RUN_STEPS
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    losses = [r["loss"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, RUN_STEPS + 1))  # train.steps=8 overrode 50
     assert losses[-1] < losses[0]
-    assert [r["step"] for r in rows if "val_loss" in r] == [6, 10]
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     resolved = load_config(run_dir / "config.yaml")
-    assert resolved.train.steps == 10 and resolved.precision.recipe == "bf16"
-    assert (run_dir / "checkpoints" / "10" / "params").is_dir()
+    assert resolved.train.steps == RUN_STEPS and resolved.precision.recipe == "nvfp4"
+    assert (run_dir / "checkpoints" / str(RUN_STEPS) / "params").is_dir()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert "[10/10] step 10  loss" in result.stdout  # plain log lines when not a terminal
+    assert (
+        f"[{RUN_STEPS}/{RUN_STEPS}] step {RUN_STEPS}  loss" in result.stdout
+    )  # plain lines: no TTY
     assert "run directory:" in result.stdout and "parameters" in result.stdout
 
 
-def test_eval_prints_and_appends(cli_run, capsys):
-    run_dir, _ = cli_run
-    assert main(["eval", str(run_dir)]) == 0
-    assert capsys.readouterr().out.startswith("step 10  val_loss ")
-    assert read_metrics(run_dir / "metrics.jsonl")[-1]["source"] == "eval"
+def test_eval_prints_and_appends(trained_runs, capsys):
+    assert main(["eval", str(trained_runs.cli_dir)]) == 0
+    assert capsys.readouterr().out.startswith(f"step {RUN_STEPS}  val_loss ")
+    assert read_metrics(trained_runs.cli_dir / "metrics.jsonl")[-1]["source"] == "eval"
 
 
-def test_plot_writes_png(cli_run, tmp_path, capsys):
-    run_dir, _ = cli_run
+def test_plot_writes_png(trained_runs, tmp_path, capsys):
     out = tmp_path / "loss.png"
-    assert main(["plot", str(run_dir), str(run_dir), "-o", str(out)]) == 0
+    runs = [str(trained_runs.cli_dir), str(trained_runs.api_dir)]
+    assert main(["plot", *runs, "-o", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
     assert f"wrote {out}" in capsys.readouterr().out
 
