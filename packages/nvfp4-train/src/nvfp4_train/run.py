@@ -109,12 +109,11 @@ def _check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None
     new = to_dict(cfg)
     for section in ("model", "precision"):
         if saved.get(section) != new[section]:
-            keys = sorted(
-                k for k in new[section] if saved.get(section, {}).get(k) != new[section][k]
-            )
+            old = saved.get(section) or {}
+            keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
-                f"({section}.{', '.join(keys)} differ); choose a new output_dir to start fresh"
+                f"({', '.join(keys)} differ); choose a new output_dir to start fresh"
             )
 
 
