@@ -32,8 +32,8 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
-from nvfp4_format.packing import pack_fp4, unpack_fp4
+from nvfp4_format.e2m1 import E2M1_MAX, _encode_bits, decode_e2m1
+from nvfp4_format.packing import pack_pairs, unpack_fp4
 
 E4M3_MAX = 448.0
 BLOCK_SIZE = 16
@@ -127,20 +127,23 @@ def quantize(
     check_float("x", x)
     check_rounding(rounding)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
-    check_finite("x", x)
+    block_amax = _block_amax(xp, x, block_shape)
+    if not is_jax_array(block_amax) and block_amax.size and not np.isfinite(block_amax.max()):
+        check_finite("x", x)  # NaN and Inf reach the block amaxes; this names the first one
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
-    x32 = xp.asarray(x, dtype=xp.float32)
-    amax = _tensor_amax(xp, x32, global_amax)
+    amax = _tensor_amax(xp, block_amax, global_amax)
     s_enc = global_encode_scale(amax)
     s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
-    block_scales = _block_scales(xp, x32, s_enc, block_shape)
-    scaled = _scale_blocks(xp, x32, block_scales, s_dec)
-    codes = encode_e2m1(scaled, rounding=rounding, uniform=uniform)
+    per_block = block_amax * (s_enc * xp.float32(1.0 / 6.0))
+    scales = xp.clip(per_block, 0.0, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    packed = _encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
+    if block_shape == (16, 16):
+        scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
     global_scale = xp.where(xp.isfinite(amax), s_dec, xp.float32(np.nan)).astype(xp.float32)
     return NVFP4Array(
-        packed=pack_fp4(codes),
-        block_scales=block_scales,
+        packed=packed,
+        block_scales=scales,
         global_scale=global_scale,
         shape=tuple(x.shape),
         block_shape=block_shape,
@@ -182,9 +185,10 @@ def _check_block_shape(block_shape: Any, shape: tuple[int, ...]) -> tuple[int, i
     return block_shape  # type: ignore[return-value]
 
 
-def _tensor_amax(xp: Any, x32: Any, global_amax: Any) -> Any:
+def _tensor_amax(xp: Any, block_amax: Any, global_amax: Any) -> Any:
+    """max|x| as the max of the block amaxes (exact, and one pass less), or the caller's."""
     if global_amax is None:
-        return xp.max(xp.abs(x32)) if x32.size else xp.float32(0.0)
+        return xp.max(block_amax) if block_amax.size else xp.float32(0.0)
     amax = xp.asarray(global_amax, dtype=xp.float32)
     if amax.ndim != 0:
         raise ValueError(f"global_amax must be a scalar, got shape {tuple(amax.shape)}")
@@ -193,24 +197,67 @@ def _tensor_amax(xp: Any, x32: Any, global_amax: Any) -> Any:
     return amax
 
 
-def _block_scales(xp: Any, x32: Any, s_enc: Any, block_shape: tuple[int, int]) -> Any:
-    """float8_e4m3fn decode scales [..., K/16] (16x16 tiles repeated over their rows)."""
-    *lead, k = x32.shape
+def _blocks(x: Any, block_shape: tuple[int, int]) -> Any:
+    """View [..., K] as [..., K/16, 16] blocks, or [..., M/16, 16, K/16, 16] tiles."""
+    *lead, k = x.shape
     if block_shape == (1, 16):
-        block_amax = xp.max(xp.abs(x32.reshape(*lead, k // 16, 16)), axis=-1)
-    else:
-        m = lead.pop()
-        tiles = xp.abs(x32.reshape(*lead, m // 16, 16, k // 16, 16))
-        block_amax = xp.repeat(xp.max(tiles, axis=(-3, -1)), 16, axis=-2)
-    per_block = block_amax * (s_enc * xp.float32(1.0 / 6.0))
-    return xp.clip(per_block, 0.0, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+        return x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
+    m = lead.pop()
+    return x.reshape(*lead, m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
 
 
-def _scale_blocks(xp: Any, x32: Any, block_scales: Any, s_dec: Any) -> Any:
-    """x * enc_b, clipped to [-6, 6]; zero in blocks whose scale is zero."""
-    sb = block_scales.astype(xp.float32)
+def _block_amax(xp: Any, x: Any, block_shape: tuple[int, int]) -> Any:
+    """float32 max|x| per block [..., K/16] (per tile [..., M/16, K/16] for 16x16).
+
+    The maximum is exact, and rounding to float32 is monotonic, so reducing in x's own dtype
+    and converting the (16x smaller) result equals reducing float32(x). The two namespaces
+    reduce differently, with identical results (max is exact):
+    - XLA: max(max(x), -min(x)) over the block axes, one fused pass over x in its own dtype
+      (for bfloat16 4x faster than converting first); abs() of a 0/-0 mix could give -0.
+    - NumPy: reductions over a 16-long axis are slow (~10x), so |x| is reduced by halving:
+      in-place maxima of the block's two halves, 16 -> 8 -> 4 -> 2 -> 1.
+    """
+    if is_jax_array(x):
+        axes = (-1,) if block_shape == (1, 16) else (-3, -1)
+        blocks = _blocks(x, block_shape)
+        amax = xp.maximum(xp.max(blocks, axis=axes), -xp.min(blocks, axis=axes))
+        return xp.abs(amax).astype(xp.float32)
+    a = np.abs(np.asarray(x, dtype=np.float32))  # a fresh array, reduced in place below
+    blocks = _blocks(a, block_shape)
+    if block_shape == (16, 16):  # fold the 16 rows of each tile first: [..., M/16, K/16, 16]
+        rows = blocks[..., 0, :, :]
+        for r in range(1, BLOCK_SIZE):
+            np.maximum(rows, blocks[..., r, :, :], out=rows)
+        blocks = rows
+    width = BLOCK_SIZE
+    while width > 1:
+        width //= 2
+        left = blocks[..., :width]
+        np.maximum(left, blocks[..., width : 2 * width], out=left)
+    return np.ascontiguousarray(blocks[..., 0])
+
+
+def _encode_blocks(
+    xp: Any,
+    x: Any,
+    scales: Any,
+    s_dec: Any,
+    block_shape: tuple[int, int],
+    rounding: str,
+    uniform: Any,
+) -> Any:
+    """Packed uint8 codes [..., K/2] of e2m1(clip(x * enc_b, -6, 6)), enc_b from the block scales.
+
+    A block with scale 0 gets enc_b = 0 and its sign bits masked, so all its codes are +0.
+    """
+    sb = scales.astype(xp.float32)
+    zero = sb == 0
     enc = xp.minimum(xp.float32(1.0) / (sb * s_dec), xp.float32(FLT_MAX))
-    blocks = x32.reshape(*x32.shape[:-1], -1, BLOCK_SIZE)
-    scaled = xp.clip(blocks * enc[..., None], -E2M1_MAX, E2M1_MAX)
-    scaled = xp.where((sb == 0)[..., None], xp.float32(0.0), scaled)  # +0: no -0 codes either
-    return scaled.reshape(x32.shape)
+    enc = xp.where(zero, xp.float32(0.0), enc)
+    sign_mask = xp.where(zero, 0, 8).astype(xp.uint32)
+    expand = (..., None) if block_shape == (1, 16) else (..., slice(None), None, slice(None), None)
+    scaled = _blocks(xp.asarray(x, dtype=xp.float32), block_shape) * enc[expand]
+    if uniform is not None and rounding == "stochastic":
+        uniform = _blocks(uniform, block_shape)
+    codes = _encode_bits(xp, scaled, rounding, uniform, sign_mask[expand])
+    return pack_pairs(xp, codes.astype(xp.uint8).reshape(x.shape))

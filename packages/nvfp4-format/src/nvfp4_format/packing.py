@@ -25,8 +25,21 @@ def pack_fp4(codes: Any) -> Any:
         raise ValueError(
             f"codes must have an even last dimension to pack two per byte, got shape {tuple(codes.shape)}"
         )
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
+    return pack_pairs(namespace(codes), codes & 0x0F)
+
+
+def pack_pairs(xp: Any, codes: Any) -> Any:
+    """Pack uint8 codes 0..15 [..., K] (K even, unchecked) into bytes [..., K/2].
+
+    Each pair of codes is read as one little-endian uint16 w = c[2j] | c[2j+1] << 8, and
+    (w | w >> 4) keeps c[2j] | c[2j+1] << 4 in its low byte. This avoids stride-2 reads, which
+    stop XLA's CPU loops from vectorising (3-4x slower) and cost NumPy two strided passes.
+    """
+    if is_jax_array(codes):
+        words = codes.view(xp.uint16)  # XLA bitcasts in memory order; its targets are little-endian
+    else:
+        words = np.ascontiguousarray(codes).view("<u2")
+    return (words | (words >> 4)).astype(xp.uint8)
 
 
 def unpack_fp4(packed: Any) -> Any:
