@@ -45,8 +45,9 @@ class OptimizerConfig:
         grad_clip_norm: Global-norm clipping threshold; 0 disables clipping.
 
     Example:
-        >>> float(make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=10), 100)(9))
-        0.001
+        >>> schedule = make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=10), 100)
+        >>> [round(float(schedule(s)), 6) for s in (0, 9, 99)]
+        [0.0001, 0.001, 0.0001]
     """
 
     learning_rate: float = 3e-4
