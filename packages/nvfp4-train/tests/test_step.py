@@ -147,6 +147,15 @@ def test_dynamic_loss_scaling_gives_the_same_training():
     )
 
 
+def test_float16_with_dynamic_loss_scaling_trains():
+    cfg = run_config("nvfp4", "float16", loss_scaling="dynamic")
+    _, losses, metrics = train(cfg, 10)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses
+    scale = float(metrics["loss_scale"])
+    assert scale >= 1.0 and np.log2(scale) == int(np.log2(scale))
+    assert 0 <= int(metrics["skipped_total"]) < 5
+
+
 def test_nonfinite_gradients_skip_the_step():
     cfg = run_config("bf16", "float32")
     _, step = compiled(cfg)
