@@ -64,3 +64,16 @@ def test_fake_quantize_stochastic_needs_a_key_and_uses_it():
     a = nvfp4_ops.fake_quantize(x, rounding="stochastic", key=jax.random.key(0))
     b = nvfp4_ops.fake_quantize(x, rounding="stochastic", key=jax.random.key(1))
     assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_operand_decoding_equals_nvfp4_format():
+    from nvfp4_ops.quantizers import dequantize_operand
+    from nvfp4_ops.recipe import TensorQuant
+
+    x = jax.random.normal(jax.random.key(4), (2, 16, 64)) * jnp.logspace(-8, 8, 64)
+    q = nf.quantize(x, (16, 16))
+    got = dequantize_operand(q, TensorQuant("nvfp4", (16, 16)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(nf.dequantize(q)))
+    m = nf.quantize_mxfp4(x)
+    got = dequantize_operand(m, TensorQuant("mxfp4", (1, 32)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(nf.dequantize_mxfp4(m)))

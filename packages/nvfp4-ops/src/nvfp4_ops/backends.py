@@ -88,16 +88,22 @@ def backend_capabilities() -> dict[str, tuple[bool, str]]:
 def auto_backend() -> tuple[str, str]:
     """(backend, why) that `backend="auto"` uses; logged once per process.
 
-    TE when available (the path known to reach FP4 tensor cores in training); else "emulated",
-    which is as fast as "xla" where no native block-scaled GEMM exists (measured on CPU, see
-    docs/ops.md) and whose results are the bit-exact reference.
+    1. "te" when available: the path known to reach FP4 tensor cores in training (sm_100+).
+    2. On a GPU without it, "xla" when `scaled_dot` compiles: exact BF16 operands on tensor cores
+       with FP32 accumulation, where "emulated" runs FP32 (HIGHEST) dots (expected faster; not
+       measured in this project, no GPU was available).
+    3. Otherwise "emulated": on CPU it is faster than "xla" (measured, docs/ops.md) and it is the
+       bit-exact reference.
     """
     caps = backend_capabilities()
     if caps["te"][0]:
         pick, why = "te", caps["te"][1]
+    elif jax.default_backend() == "gpu" and caps["xla"][0]:
+        pick = "xla"
+        why = f"TE unavailable ({caps['te'][1]}); on GPU xla's BF16-operand dot beats FP32 (unmeasured)"
     else:
         pick = "emulated"
-        why = f"TE unavailable ({caps['te'][1]}); emulated is the reference and no slower here"
+        why = f"TE unavailable ({caps['te'][1]}); emulated is the fastest here and the reference"
     log.warning("nvfp4_ops: backend='auto' uses %r: %s", pick, why)
     return pick, why
 

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import nvfp4_format
 from nvfp4_ops.quantizers import dequantize_operand
 from nvfp4_ops.recipe import TensorQuant
 
@@ -37,9 +36,9 @@ def emulated_gemm(
 
 
 def _fp4_values(packed: jax.Array) -> jax.Array:
-    """Packed E2M1 bytes [..., C/2] -> float4_e2m1fn [..., C] (exact)."""
-    codes = nvfp4_format.unpack_fp4(packed)
-    return nvfp4_format.decode_e2m1(codes).astype(jnp.float4_e2m1fn)
+    """Packed E2M1 bytes [..., C/2] -> float4_e2m1fn [..., C] (a bitcast, low nibble first)."""
+    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return f4.reshape(*packed.shape[:-1], -1)
 
 
 def _transpose_tiles(scales: jax.Array, tile: int) -> jax.Array:
