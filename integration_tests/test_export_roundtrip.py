@@ -213,3 +213,21 @@ def test_nvfp4_format_inspect_reads_every_export(exports):
         )  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert json.loads(done.stdout)
+
+
+def test_mxfp4_run_exports_mxfp4_pack_quantized_and_verifies(tmp_path):
+    run_dir = tmp_path / "mx"
+    cmd = [
+        sys.executable, "-m", "nvfp4_train", "run", str(ROOT / "examples/configs/tiny.yaml"),
+        f"output_dir={run_dir}", "precision.recipe=mxfp4", "train.steps=2", "train.batch_size=4",
+        "train.seq_len=32", "train.eval_every=2", "checkpoint.every_steps=2",
+        "logging.tensorboard=false", "logging.progress=plain",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = export_hf(run_dir, tmp_path / "ct", layout="compressed-tensors")
+    assert result.plan.fmt == "mxfp4"
+    config = json.loads((result.out_dir / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    report = verify(result.out_dir, against=run_dir)  # transformers too, when installed
+    assert report.ok, report
