@@ -49,6 +49,7 @@ def _transpose_tiles(scales: jax.Array, tile: int) -> jax.Array:
 
 def _block_scaled(q: Any, t: TensorQuant, transposed: bool):
     """(element array, block scales or None, global decode scale) in the layout [B, P, C]."""
+    q = jax.lax.optimization_barrier(q)  # materialise codes and scales (see quantizers.py)
     if t.fmt == "nvfp4":
         vals, scales, g = _fp4_values(q.packed), q.block_scales, q.global_scale
         if transposed:
