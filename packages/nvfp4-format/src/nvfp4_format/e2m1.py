@@ -26,6 +26,9 @@ E2M1_VALUES = np.array(
 )
 """float32[16]: the value of each 4-bit code."""
 
+CHUNK_ELEMENTS = 1 << 16
+"""NumPy paths work in chunks of this many elements (256 KiB of float32) to stay in cache."""
+
 # Bit patterns of float32 values the integer encoder works with (|x| as uint32 orders like |x|).
 _F32_ABS_MASK = 0x7FFFFFFF
 _F32_ONE = 0x3F800000  # 1.0
@@ -109,7 +112,17 @@ def encode_e2m1(x: Any, rounding: str = "rne", uniform: Any = None) -> Any:
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
     x32 = xp.asarray(x, dtype=xp.float32)
-    return _encode_bits(xp, x32, rounding, uniform).astype(xp.uint8)
+    if xp is not np:
+        return _encode_bits(xp, x32, rounding, uniform).astype(xp.uint8)
+    # NumPy: chunk by chunk, so the temporaries stay in cache (several times faster).
+    flat = x32.reshape(-1)
+    flat_u = np.asarray(uniform).reshape(-1) if rounding == "stochastic" else None
+    codes = np.empty(flat.shape, np.uint8)
+    for start in range(0, flat.size, CHUNK_ELEMENTS):
+        sl = slice(start, start + CHUNK_ELEMENTS)
+        u = None if flat_u is None else flat_u[sl]
+        codes[sl] = _encode_bits(np, flat[sl], rounding, u)
+    return codes.reshape(x32.shape)
 
 
 def decode_e2m1(codes: Any) -> Any:

@@ -32,14 +32,13 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import E2M1_MAX, _encode_bits, decode_e2m1
+from nvfp4_format.e2m1 import CHUNK_ELEMENTS, E2M1_MAX, _encode_bits, decode_e2m1
 from nvfp4_format.packing import pack_pairs, unpack_fp4
 
 E4M3_MAX = 448.0
 BLOCK_SIZE = 16
 FLT_MAX = float(np.finfo(np.float32).max)
 BLOCK_SHAPES = ((1, 16), (16, 16))
-_CHUNK_ELEMENTS = 1 << 16  # NumPy works in chunks of this many elements (256 KiB of float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -208,12 +207,12 @@ def _blocks(x: Any, block_shape: tuple[int, int]) -> Any:
 
 
 def _row_chunks(n_rows: int, k: int, multiple: int = 1) -> list[slice]:
-    """Slices of ~_CHUNK_ELEMENTS elements over [n_rows, k] rows, each a multiple of `multiple` rows.
+    """Slices of ~CHUNK_ELEMENTS elements over [n_rows, k] rows, each a multiple of `multiple` rows.
 
     NumPy runs the per-element work chunk by chunk: its temporaries then stay in cache instead of
     being fresh 64 MB arrays (page faults, memory traffic per operation), ~5-10x faster.
     """
-    step = max(1, _CHUNK_ELEMENTS // (k * multiple)) * multiple
+    step = max(1, CHUNK_ELEMENTS // (k * multiple)) * multiple
     return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
 
