@@ -78,7 +78,9 @@ def _linear_params(model: dict) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--all-nvfp4", action="store_true", help="no BF16 blocks (default: the paper rule)")
+    ap.add_argument(
+        "--all-nvfp4", action="store_true", help="no BF16 blocks (default: the paper rule)"
+    )
     ap.add_argument("--out-dir", default="docs/benchmarks")
     ap.add_argument("--name", default="export_1b")
     args = ap.parse_args()
