@@ -108,3 +108,15 @@ def test_cli_export_verify_and_errors(tiny_run, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["hf", str(tiny_run), str(tmp_path / "y"), "--layout", "gguf"])
+
+
+def test_tied_float32_model_exports_and_verifies(tmp_path):
+    from conftest import model_config
+
+    run = write_run(tmp_path / "run", model=model_config(tie_embeddings=True, dtype="float32"))
+    out = export_hf(run, tmp_path / "mo", layout="modelopt").out_dir
+    loaded = load_export(out)
+    assert "lm_head.weight" not in loaded.tensors
+    assert loaded.config["tie_word_embeddings"] is True
+    report = verify(out, against=run)
+    assert report.ok, report

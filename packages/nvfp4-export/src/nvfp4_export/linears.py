@@ -40,6 +40,8 @@ class ExportedLinear:
             E8M0 exponents (127 = 2^0).
         weight_amax: NVFP4 only: float32 max |W| over the whole fused group (sets the global scale).
         input_amax: max |x| at the linear's input (W4A4 activation scale), or None.
+        stored_decode_scale: NVFP4 read back from a ModelOpt file: the stored `weight_scale_2`
+            (used as is instead of recomputing it from `weight_amax`).
     """
 
     name: str
@@ -50,10 +52,13 @@ class ExportedLinear:
     scales: np.ndarray | None = None
     weight_amax: np.float32 | None = None
     input_amax: float | None = None
+    stored_decode_scale: np.float32 | None = None
 
     @property
     def global_decode_scale(self) -> np.float32:
         """NVFP4: the shared DECODE scale, float32 1 / s_enc (~ amax / (6 * 448))."""
+        if self.stored_decode_scale is not None:
+            return np.float32(self.stored_decode_scale)
         return np.float32(nvfp4_format.global_decode_scale(np.float32(self.weight_amax)))
 
     @property

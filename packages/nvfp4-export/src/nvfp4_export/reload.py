@@ -104,7 +104,7 @@ def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> Exporte
         dec = np.float32(t[f"{name}.weight_scale_2"].reshape(()))
         return ExportedLinear(
             name, source, "nvfp4", packed=t[f"{name}.weight"], scales=t[f"{name}.weight_scale"],
-            weight_amax=_amax_from_encode(np.float32(1.0) / dec),
+            weight_amax=_amax_from_encode(np.float32(1.0) / dec), stored_decode_scale=dec,
         )  # fmt: skip
     if f"{name}.weight" not in t:
         raise ExportError(f"export lacks the weight of {name!r}")

@@ -84,9 +84,18 @@ def _bitexact_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
                     a is not None and a.tobytes() != np.asarray(b).tobytes()
                 ):
                     problems.append(f"{m.name}.{field} differs from the checkpoint's quantization")
-            if m.fmt == "nvfp4" and m.global_decode_scale != stored.global_decode_scale:
+            if m.fmt == "nvfp4" and not _same_global_scale(loaded, m):
                 problems.append(f"{m.name}: global scale differs from the checkpoint's")
     return problems
+
+
+def _same_global_scale(loaded: LoadedExport, fresh) -> bool:
+    """The stored global scale equals the one re-derived from the checkpoint (bit for bit)."""
+    if loaded.layout == "modelopt":
+        stored = loaded.tensors[f"{fresh.name}.weight_scale_2"]
+        return stored.reshape(()) == fresh.global_decode_scale
+    stored = loaded.tensors[f"{fresh.name}.weight_global_scale"]
+    return stored.reshape(()) == fresh.global_encode_scale
 
 
 def _bf16_weights(w: ForwardWeights) -> ForwardWeights:
