@@ -7,6 +7,8 @@ default session (the README's test command); `nox -s demo` runs the main job.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "uv"
@@ -25,6 +27,9 @@ FORMAT = "./packages/nvfp4-format"
 OPS = "./packages/nvfp4-ops"
 TRAIN = "./packages/nvfp4-train"
 EXPORT = "./packages/nvfp4-export"
+TORCH_CPU = "2.13.0+cpu"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+LOCAL_WHEELS = "/opt/wheels"
 
 
 def _pytest(session: nox.Session, path: str) -> None:
@@ -75,11 +80,23 @@ def export(session: nox.Session) -> None:
     _pytest(session, "packages/nvfp4-export/tests")
 
 
+def _install_cpu_torch(session: nox.Session) -> None:
+    """CPU-only torch for the transformers interop tests (a plain `torch` pulls a CUDA build).
+
+    Machines of this project keep the CPU wheel in /opt/wheels; elsewhere PyTorch's CPU index has it.
+    """
+    if Path(LOCAL_WHEELS).is_dir():
+        session.install("--find-links", LOCAL_WHEELS, f"torch=={TORCH_CPU}")
+    else:
+        session.install("--index-url", TORCH_CPU_INDEX, f"torch=={TORCH_CPU}")
+
+
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Cross-package tests: every package installed together."""
+    """Cross-package tests: every package installed together, plus real clients of the exports."""
+    _install_cpu_torch(session)
     session.install(
-        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test]", f"{EXPORT}[test]"
+        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test]", f"{EXPORT}[test,verify]"
     )
     _pytest(session, "integration_tests")
 
@@ -94,5 +111,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (not in the default test run): tables on stdout, JSON under docs/benchmarks/."""
-    session.install(f"{FORMAT}[jax]", f"{OPS}[test]")
-    session.run("python", "packages/nvfp4-format/benchmarks/bench_quantize.py", *session.posargs)
+    session.install(f"{FORMAT}[jax]", f"{OPS}[test]", EXPORT)
+    session.run("python", "packages/nvfp4-format/benchmarks/bench_quantize.py")
+    session.run("python", "packages/nvfp4-ops/benchmarks/bench_step.py")
+    session.run("python", "packages/nvfp4-export/benchmarks/bench_export.py")
