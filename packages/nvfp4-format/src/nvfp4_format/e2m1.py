@@ -64,14 +64,15 @@ def _magnitude_rne(xp: Any, a_bits: Any) -> Any:
 def _magnitude_stochastic(xp: Any, a_bits: Any, uniform: Any) -> Any:
     """uint32 code magnitude of |x| <= 6 (float32 bits) rounded down or up, P(up) = (a - lo) / gap."""
     a = a_bits.view(xp.float32)
-    # lo_code: the grid point at or below a, by truncating the bits (the rounding above, minus
-    # the rounding); below 1 the grid is 0, 0.5.
-    lo_code = xp.where(a_bits < _F32_ONE, (a >= 0.5).astype(xp.uint32), (a_bits >> 22) - 252)
-    # lo and the gap to the next grid point, both exact in float32, selected without a gather.
-    lo = xp.where(a < 2.0, xp.floor(a * 2.0) * 0.5, xp.where(a < 4.0, xp.floor(a), 4.0))
-    lo = xp.where(a >= 6.0, 6.0, lo).astype(xp.float32)
-    gap = xp.where(a < 2.0, 0.5, xp.where(a < 4.0, 1.0, 2.0)).astype(xp.float32)
-    p_up = (a - lo) / gap  # exact: a - lo is exact (Sterbenz) and gap is a power of two
+    small = a_bits < _F32_ONE  # below 1 the grid is 0, 0.5, 1 with gap 0.5
+    half_or_more = a >= 0.5
+    # lo (the grid point at or below a) truncates a to one mantissa bit; gap is half of a's
+    # power of two. Both exact, from the bits, without a gather.
+    lo_code = xp.where(small, half_or_more.astype(xp.uint32), (a_bits >> 22) - 252)
+    lo = xp.where(small, xp.where(half_or_more, 0.5, 0.0), (a_bits & 0x7FC00000).view(xp.float32))
+    gap_bits = (a_bits & 0x7F800000) - 0x00800000
+    gap = xp.where(small, xp.float32(0.5), gap_bits.view(xp.float32))
+    p_up = (a - lo.astype(xp.float32)) / gap  # exact: a - lo (Sterbenz), gap a power of two
     return lo_code + (uniform.astype(xp.float32) < p_up).astype(xp.uint32)
 
 
