@@ -6,12 +6,16 @@ replacement for `jax.lax.dot_general`; plus `hadamard_transform`, `fake_quantize
 capability report used by `nvfp4-ops doctor`.
 """
 
+import nvfp4_format
 from nvfp4_ops.backends import BACKENDS, auto_backend, backend_capabilities
 from nvfp4_ops.dot import dot_general
 from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
+
+# NVFP4Array / MXFP4Array must be JAX pytrees even when nvfp4_format was imported before JAX.
+nvfp4_format.register_jax_pytrees()
 
 __all__ = [
     "BACKENDS",
