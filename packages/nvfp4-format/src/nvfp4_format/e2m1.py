@@ -47,18 +47,22 @@ def _abs_bits(xp: Any, x32: Any) -> tuple[Any, Any]:
 def _magnitude_rne(xp: Any, a_bits: Any) -> Any:
     """uint32 code magnitude 0..7 of |x| <= 6 given as float32 bits; round to nearest, ties to even.
 
-    Integer arithmetic on the bits, one fused pass on XLA and a few in-place passes on NumPy,
+    Integer arithmetic on the bits, one fused pass on XLA and a few cheap passes on NumPy,
     instead of seven threshold comparisons:
     - |x| >= 1 (E2M1 normals 1..6): bits >> 22 keeps the exponent and one mantissa bit, and
       code = (bits >> 22) - 252. Adding 0x1FFFFF plus the kept lowest bit first rounds the 22
       dropped bits to nearest, ties to even; a carry moves into the next binade correctly.
     - |x| < 1 (0, 0.5, 1): |x| + 2^22 rounds |x| to a multiple of 0.5 (the float32 spacing at
       2^22) with the FPU's ties-to-even, and the bits above 2^22's count the halves: 0, 1 or 2.
+    The two combine without a select (NumPy's `where` is ~10x slower than these operations):
+    `normal` is computed from max(|x|, 1), so it is 2 (the code of 1) below 1, where `halves` is
+    at most 2; from 1 up, `normal` is the code and `halves` = round(2|x|) is never smaller.
     """
-    lsb = (a_bits >> 22) & 1
-    normal = ((a_bits + (0x1FFFFF + lsb)) >> 22) - 252
+    at_least_one = xp.maximum(a_bits, _F32_ONE)
+    lsb = (at_least_one >> 22) & 1
+    normal = ((at_least_one + (0x1FFFFF + lsb)) >> 22) - 252
     halves = (a_bits.view(xp.float32) + xp.float32(2.0**22)).view(xp.uint32) - _F32_TWO_POW_22
-    return xp.where(a_bits < _F32_ONE, halves, normal)
+    return xp.minimum(normal, halves)
 
 
 def _magnitude_stochastic(xp: Any, a_bits: Any, uniform: Any) -> Any:
