@@ -34,7 +34,6 @@ _F32_ABS_MASK = 0x7FFFFFFF
 _F32_ONE = 0x3F800000  # 1.0
 _F32_SIX = 0x40C00000  # 6.0: min(bits, this) saturates, and maps Inf and NaN to 6 like hardware
 _F32_TWO_POW_22 = 0x4A800000  # 2^22, whose float32 spacing is 0.5
-_GRID = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes 1..7
 
 
 def _abs_bits(xp: Any, x32: Any) -> tuple[Any, Any]:
@@ -127,7 +126,8 @@ def encode_e2m1(x: Any, rounding: str = "rne", uniform: Any = None) -> Any:
         sl = slice(start, start + CHUNK_ELEMENTS)
         u = None if flat_u is None else flat_u[sl]
         codes[sl] = _encode_bits(np, flat[sl], rounding, u)
-    return codes.reshape(x32.shape)
+    codes = codes.reshape(x32.shape)
+    return codes[()] if codes.ndim == 0 else codes  # a NumPy scalar for 0-d input, as before
 
 
 def decode_e2m1(codes: Any) -> Any:
