@@ -198,7 +198,7 @@ def mx_exponent(amax_block: float, scale_rule: str) -> int:
         e = floor_log2(amax_block) - 3  # 6*2^e < amax here; step up exactly
         while 6.0 * 2.0**e < amax_block:
             e += 1
-    return min(max(e, -127), 127)
+    return min(max(e, -127), 125)  # capped so 6 * 2^e is finite in float32 (see nvfp4_format.mxfp4)
 
 
 def quantize_mxfp4(x, scale_rule="ocp", rounding="rne", uniform=None):

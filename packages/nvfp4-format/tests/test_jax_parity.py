@@ -217,3 +217,12 @@ def test_tiny_tensors_above_the_subnormal_regime_identical_bytes(amax):
     got, want = _jit_quantize((1, 16))(jnp.asarray(x)), nf.quantize(x)
     _same_nvfp4(got, want)
     _same(nf.dequantize(got), nf.dequantize(want), f"dequantize amax={amax}")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_input_marks_the_tensor_even_with_a_shared_global_amax(bad):
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = bad
+    q = jax.jit(lambda v: nf.quantize(v, global_amax=4.0))(jnp.asarray(x))
+    assert bool(nf.has_nonfinite(q))
+    assert np.isnan(np.asarray(nf.dequantize(q))).all()

@@ -145,3 +145,15 @@ def test_dequantize_dtype(out_dtype):
     assert dq.dtype == np.dtype(out_dtype)
     expect = ref.dequantize_mxfp4(codes, scales).astype(out_dtype)
     np.testing.assert_array_equal(as_bytes(dq), as_bytes(expect))
+
+
+@pytest.mark.parametrize("rule", ["ocp", "ceil"])
+def test_huge_blocks_decode_finite(rule):
+    """The exponent is capped at 125 so 6 * 2^e stays finite: a block near FLT_MAX clips, never Inf."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :2] = [3e38, -3.3e38]
+    q = quantize_mxfp4(x, rule)
+    assert int(q.scales[0, 0]) - 127 == 125
+    out = dequantize_mxfp4(q)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[0, :2], np.float32([6 * 2.0**125, -6 * 2.0**125]))

@@ -6,7 +6,9 @@ No tensor scale; 4.25 bits per element. Two rules choose a block's exponent e (s
 - "ceil": e = ceil(log2(amax_block / 6)), NVIDIA's rule: the smallest e with 6 * 2^e >= amax_block,
   computed exactly, so nothing clips.
 
-e is clamped to the E8M0 range [-127, 127]; an all-zero block gets e = -127 (byte 0). Scales are
+e is clamped to [-127, 125]: the E8M0 range, capped at 125 so that every decoded value stays finite
+in float32 (only the "ceil" rule can ask for more, for blocks with amax > 6 * 2^125 ~ 2.6e38, which
+then clip at 6 instead of decoding to Inf); an all-zero block gets e = -127 (byte 0). Scales are
 stored as E8M0 bytes, e + 127 (compressed-tensors' `weight_scale` layout); byte 255 is NaN and marks
 a block with non-finite input on the JAX path.
 """
@@ -32,6 +34,7 @@ from nvfp4_format.packing import pack_fp4, unpack_fp4
 MX_BLOCK_SIZE = 32
 E8M0_BIAS = 127
 E8M0_NAN = 255
+MAX_EXPONENT = 125
 SCALE_RULES = ("ocp", "ceil")
 
 
@@ -105,7 +108,7 @@ def dequantize_mxfp4(a: MXFP4Array, dtype: Any = np.float32) -> Any:
 
 
 def _block_exponent(xp: Any, amax: Any, scale_rule: str) -> Any:
-    """int32 block exponents, clamped to [-127, 127]; -127 for all-zero (or non-finite) blocks."""
+    """int32 block exponents, clamped to [-127, 125]; -127 for all-zero (or non-finite) blocks."""
     usable = (amax > 0) & xp.isfinite(amax)
     safe = xp.where(usable, amax, xp.float32(1.0))
     _, e = xp.frexp(safe)  # safe = m * 2^e with m in [0.5, 1): floor(log2(safe)) = e - 1
@@ -118,5 +121,7 @@ def _block_exponent(xp: Any, amax: Any, scale_rule: str) -> Any:
         for _ in range(3):
             k = xp.where(xp.ldexp(xp.float32(E2M1_MAX), k) < safe, k + 1, k)
         exponent = k
-    exponent = xp.clip(exponent, -E8M0_BIAS, E8M0_BIAS)
+    # Largest exponent: 125, so that every decoded value 6 * 2^e stays finite in float32 (the OCP
+    # rule never exceeds it; the "ceil" rule would reach 126 for amax > 6 * 2^125 and then clip).
+    exponent = xp.clip(exponent, -E8M0_BIAS, MAX_EXPONENT)
     return xp.where(usable, exponent, -E8M0_BIAS).astype(xp.int32)

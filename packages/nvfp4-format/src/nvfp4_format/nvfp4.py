@@ -144,7 +144,9 @@ def quantize(
     packed = _encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
     if block_shape == (16, 16):
         scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
-    global_scale = xp.where(xp.isfinite(amax), s_dec, xp.float32(np.nan)).astype(xp.float32)
+    # Non-finite input (JAX only; NumPy raised above) marks the tensor, also under `global_amax`.
+    finite = xp.isfinite(amax) & (xp.isfinite(xp.max(block_amax)) if block_amax.size else True)
+    global_scale = xp.where(finite, s_dec, xp.float32(np.nan)).astype(xp.float32)
     return NVFP4Array(
         packed=packed,
         block_scales=scales,
