@@ -6,6 +6,8 @@ import io
 import json
 import shutil
 
+import jax
+import numpy as np
 import pytest
 import yaml
 
@@ -49,6 +51,33 @@ def test_run_writes_its_outputs(trained_runs):
     assert str(run_dir.resolve()) in trained_runs.api_output
 
 
+def _items(step_dir):
+    """(quant_stats, reference) of a checkpoint, read with plain orbax (no target)."""
+    import orbax.checkpoint as ocp
+
+    stats = json.loads((step_dir / "quant_stats" / "metadata").read_text())
+    return stats, ocp.StandardCheckpointer().restore((step_dir / "reference").absolute())
+
+
+def test_checkpoints_hold_activation_amax_and_reference(trained_runs):
+    ckpts = trained_runs.api_dir / "checkpoints"
+    stats4, _ = _items(ckpts / "4")
+    stats, reference = _items(ckpts / str(RUN_STEPS))
+    paths = sorted(stats["recipes"])
+    assert sorted(stats["activation_amax"]) == paths and len(paths) == 4
+    for path in paths:  # a running max: finite, positive, never falling
+        assert 0 < stats4["activation_amax"][path] <= stats["activation_amax"][path] < 1e4
+    tokens, logits = np.asarray(reference["tokens"]), np.asarray(reference["logits"])
+    assert tokens.dtype == np.int32 and tokens.shape == (4, 32)  # n=4, L=min(seq_len, 64)
+    assert logits.dtype == np.float32 and logits.shape == (4, 32, 64)
+    assert np.all(np.isfinite(logits)) and tokens.min() >= 0 and tokens.max() < 64
+    cfg = load_config(trained_runs.api_dir / "config.yaml")
+    from nvfp4_train.data import make_datasets
+
+    datasets = make_datasets(cfg.data, seq_len=32, batch_size=8, seed=cfg.train.seed)
+    np.testing.assert_array_equal(tokens[0], datasets.validation_sequences[0]["inputs"])
+
+
 def test_loss_falls(trained_runs):
     losses = [loss for _, loss in _losses(trained_runs.api_dir)]
     assert losses[-1] < losses[0] - 0.1
@@ -72,6 +101,7 @@ def test_resume_continues_from_checkpoint_exactly(trained_runs, tiny_config):
     """Drop the last checkpoint: rerunning resumes at step 4 and reproduces steps 5..8 exactly."""
     run_dir = trained_runs.api_dir
     before = _losses(run_dir)
+    items_before = _items(run_dir / "checkpoints" / str(RUN_STEPS))
     shutil.rmtree(run_dir / "checkpoints" / str(RUN_STEPS))
     out = io.StringIO()
     summary = run(_config(trained_runs, tiny_config, run_dir), stream=out)
@@ -79,6 +109,9 @@ def test_resume_continues_from_checkpoint_exactly(trained_runs, tiny_config):
     assert "resumed from" in out.getvalue() and "(step 4)" in out.getvalue()
     assert "dropped 4 metrics rows" in out.getvalue()
     assert _losses(run_dir) == before
+    stats, reference = _items(run_dir / "checkpoints" / str(RUN_STEPS))
+    assert stats == items_before[0]  # the activation amax resumes too
+    jax.tree.map(np.testing.assert_array_equal, reference, items_before[1])
 
 
 def test_rerun_of_a_finished_run_does_nothing(trained_runs, tiny_config):

@@ -12,10 +12,12 @@ import optax
 import pytest
 
 from nvfp4_train.config import config_from_dict
+from nvfp4_train.model import linear_paths
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.step import (
     TrainState,
     count_params,
+    flat_amax,
     init_state,
     make_eval_step,
     make_train_step,
@@ -201,3 +203,57 @@ def test_batch_must_split_into_microbatches():
     batch = jax.tree.map(lambda x: x[:3], fixed_batch())
     with pytest.raises(ValueError, match="multiple of train.grad_accum_steps=2, got batch size 3"):
         step(state, batch)
+
+
+def _linear_inputs(cfg, params, inputs_BxL):
+    """Inputs (compute dtype) of layers.0.attn.qkv and layers.0.mlp.gate_up, computed directly."""
+    from flax import nnx
+
+    from nvfp4_train.model import _layer_keys
+
+    graphdef, _ = compiled(cfg)
+    model = nnx.merge(graphdef, params)
+    block = model.layers["0"]
+    keys = _layer_keys(jax.random.fold_in(jax.random.key(cfg.train.seed), 0), 0)
+    x_BxLxD = model.embed(inputs_BxL)
+    qkv_in = block.attn_norm(x_BxLxD).astype(cfg.model.compute_dtype)
+    h_BxLxD = x_BxLxD + block.attn(block.attn_norm(x_BxLxD), keys[0:2])
+    gate_up_in = block.mlp_norm(h_BxLxD).astype(cfg.model.compute_dtype)
+    return {"layers.0.attn.qkv": qkv_in, "layers.0.mlp.gate_up": gate_up_in}
+
+
+def test_activation_amax_is_the_max_abs_linear_input():
+    cfg = run_config("nvfp4")
+    _, step = compiled(cfg)
+    _, state = init_state(cfg)
+    assert all(float(v) == 0.0 for v in flat_amax(state.activation_amax).values())
+    expected = {
+        path: float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+        for path, x in _linear_inputs(cfg, state.params, fixed_batch()["inputs"]).items()
+    }
+    new, _ = step(state, fixed_batch())
+    amax = {k: float(v) for k, v in flat_amax(new.activation_amax).items()}
+    assert sorted(amax) == sorted(linear_paths(cfg.model))
+    assert amax["layers.0.attn.qkv"] == expected["layers.0.attn.qkv"] > 0
+    assert amax["layers.0.mlp.gate_up"] == pytest.approx(expected["layers.0.mlp.gate_up"], rel=1e-2)
+    assert all(np.isfinite(v) and v > 0 for v in amax.values())
+    again, _ = step(new, fixed_batch())  # a running max never falls
+    assert all(float(v) >= amax[k] for k, v in flat_amax(again.activation_amax).items())
+
+
+def test_activation_amax_is_max_reduced_over_microbatches():
+    one, _, _ = train(run_config("bf16", "float32", accum=1), 1)
+    two, _, _ = train(run_config("bf16", "float32", accum=2), 1)
+    a, b = flat_amax(one.activation_amax), flat_amax(two.activation_amax)
+    assert float(a["layers.0.attn.qkv"]) == float(b["layers.0.attn.qkv"]) > 0
+
+
+def test_skipped_or_nonfinite_steps_leave_the_running_amax():
+    from nvfp4_train.step import _updated_amax
+
+    old = {"a": jnp.float32(2.0), "b": jnp.float32(2.0), "c": jnp.float32(2.0)}
+    new = {"a": jnp.float32(3.0), "b": jnp.float32(jnp.inf), "c": jnp.float32(1.0)}
+    kept = _updated_amax(old, new, jnp.bool_(False))
+    assert {k: float(v) for k, v in kept.items()} == {"a": 3.0, "b": 2.0, "c": 2.0}
+    skipped = _updated_amax(old, new, jnp.bool_(True))
+    assert {k: float(v) for k, v in skipped.items()} == {"a": 2.0, "b": 2.0, "c": 2.0}

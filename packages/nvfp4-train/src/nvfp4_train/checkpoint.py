@@ -3,7 +3,8 @@
 On disk (see docs/checkpoint-schema.md): `<run_dir>/checkpoints/<step>/` holds one orbax item per
 `TrainState` field except `step` (`params`, `opt_state`: orbax PyTree/OCDBT, restorable without a
 target), `data_iter` (JSON: the grain iterator state), `config` (JSON: the resolved config) and
-`quant_stats` (JSON: `recipes`, module path -> recipe name). The step is the directory name.
+`quant_stats` (JSON: `recipes` and `activation_amax` by module path) and `reference` (PyTree: the
+model's logits on fixed tokens). The step is the directory name.
 
 Example:
     >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
@@ -24,6 +25,7 @@ import orbax.checkpoint as ocp
 DATA_ITER_ITEM = "data_iter"
 CONFIG_ITEM = "config"
 QUANT_STATS_ITEM = "quant_stats"
+REFERENCE_ITEM = "reference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,21 +76,48 @@ def _restore_target(leaf: Any) -> Any:
 
 
 class Checkpoints:
-    """A directory of step checkpoints, keeping the newest `keep`.
+    """A directory of step checkpoints, keeping the newest `keep` (and every `keep_period`-th).
+
+    Saves are atomic: orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>`
+    once every item is on disk, so a killed save leaves no integer-named directory.
 
     Args:
         directory: where step directories are written (created if missing).
         keep: how many of the newest checkpoints to keep.
+        keep_period: also keep every checkpoint whose step is a multiple of this (0: none).
         async_save: write in a background thread; `wait()` or `close()` finishes pending writes.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = False) -> None:
+    def __init__(
+        self, directory: str | Path, *, keep: int, keep_period: int = 0, async_save: bool = False
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if keep_period < 0:
+            raise ValueError(f"keep_period must be >= 0 (0: off), got {keep_period}")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=keep,
+            keep_period=keep_period or None,
+            enable_async_checkpointing=async_save,
+            create=True,
         )
-        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def set_aside(self, step: int) -> Path:
+        """Renames the (unreadable) checkpoint of `step` to `<step>.unreadable[-k]`; returns it.
+
+        The new name is not an integer, so orbax and readers skip it; it is kept for inspection.
+        """
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.unreadable"
+        k = 0
+        while target.exists():
+            k += 1
+            target = self.directory / f"{step}.unreadable-{k}"
+        source.rename(target)
+        self._manager.reload()
+        return target
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -106,6 +135,7 @@ class Checkpoints:
         data_iter_state: Any,
         config: dict[str, Any],
         quant_stats: dict[str, Any] | None = None,
+        reference: dict[str, Any] | None = None,
     ) -> None:
         """Saves a checkpoint at `step`.
 
@@ -115,13 +145,17 @@ class Checkpoints:
             data_iter_state: `train_iterator().get_state()` (bytes or a JSON-ready dict).
             config: the resolved config as plain data.
             quant_stats: JSON-ready facts for readers such as export: `recipes` (module path ->
-                recipe name of every linear).
+                recipe name of every linear), `activation_amax` (module path -> float).
+            reference: `{"tokens": int32 [n, L], "logits": float32 [n, L, V]}`, the model's
+                forward at this checkpoint on fixed sequences (a PyTree item), or None.
         """
         items = {k: ocp.args.StandardSave(v) for k, v in _state_items(state).items()}
         items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
         items[CONFIG_ITEM] = ocp.args.JsonSave(config)
         if quant_stats is not None:
             items[QUANT_STATS_ITEM] = ocp.args.JsonSave(quant_stats)
+        if reference is not None:
+            items[REFERENCE_ITEM] = ocp.args.StandardSave(reference)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def read_config(self, step: int) -> dict[str, Any]:

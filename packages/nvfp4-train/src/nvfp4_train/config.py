@@ -83,16 +83,24 @@ class CheckpointConfig:
     Attributes:
         every_steps: checkpoint interval in steps (0: only at the end); the last step is always saved.
         keep: how many of the most recent checkpoints to keep.
+        keep_period: also keep every checkpoint whose step is a multiple of this (0: off).
         async_save: write checkpoints in a background thread while training continues.
+        reference_sequences: how many validation sequences (at most `min(train.seq_len, 64)`
+            tokens each) each checkpoint stores with the model's logits on them, as ONE batch,
+            in its `reference` item for exporters to verify against (0: no reference item).
     """
 
     every_steps: int = 500
     keep: int = 3
+    keep_period: int = 0
     async_save: bool = False
+    reference_sequences: int = 4
 
     def __post_init__(self) -> None:
         _check_min("checkpoint", "every_steps", self.every_steps, 0)
         _check_min("checkpoint", "keep", self.keep, 1)
+        _check_min("checkpoint", "keep_period", self.keep_period, 0)
+        _check_min("checkpoint", "reference_sequences", self.reference_sequences, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,13 @@ from flax import nnx
 
 import nvfp4_ops
 
+INPUT_AMAX = "input_amax"
+"""Name of the `nnx.Intermediate` each `QuantLinear` call sows: max |input| of that call."""
+
+
+def _zero_f32() -> jax.Array:
+    return jnp.zeros((), jnp.float32)
+
 
 class QuantLinear(nnx.Module):
     """A bias-free linear `y = x @ W` whose matmul is `nvfp4_ops.dot_general` with a fixed recipe.
@@ -46,8 +53,14 @@ class QuantLinear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x_NxI: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        """Returns `x @ kernel` in the compute dtype; `key` feeds the recipe's stochastic rounding."""
+        """Returns `x @ kernel` in the compute dtype; `key` feeds the recipe's stochastic rounding.
+
+        Sows `max |x|` (float32 scalar, x after the cast to the compute dtype and before
+        quantization) as the `nnx.Intermediate` named `INPUT_AMAX`; `pop_input_amax` collects it.
+        """
         x = x_NxI.astype(self.dtype)
+        amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+        self.sow(nnx.Intermediate, INPUT_AMAX, amax, reduce_fn=jnp.maximum, init_fn=_zero_f32)
         w = self.kernel[...].astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         y = nvfp4_ops.dot_general(

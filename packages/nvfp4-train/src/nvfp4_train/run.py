@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import jax
+import numpy as np
 
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
@@ -29,11 +30,18 @@ from nvfp4_train.metrics import (
     format_row,
     make_progress,
     summarize_window,
-    truncate_metrics,
 )
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.policy import layer_recipe_names
-from nvfp4_train.step import count_params, init_state, make_eval_step, make_train_step
+from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
+from nvfp4_train.step import (
+    count_params,
+    flat_amax,
+    forward,
+    make_eval_step,
+    make_train_step,
+)
+from nvfp4_train.stop import StopRequest, stop_requests
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -52,6 +60,8 @@ class RunSummary:
         final_step: the step training stopped at (`train.steps`).
         last_loss: the last logged training loss (None if no step ran).
         val_loss: the last validation loss (None if there is no validation split or no step ran).
+        stopped_by: the signal name (`SIGTERM`, `SIGINT`) that stopped the run early after
+            saving a checkpoint at `final_step`, or None when it ran to `train.steps`.
     """
 
     run_dir: Path
@@ -59,6 +69,7 @@ class RunSummary:
     final_step: int
     last_loss: float | None
     val_loss: float | None
+    stopped_by: str | None = None
 
 
 def _datasets(cfg: Config) -> Any:
@@ -80,19 +91,6 @@ def _with_data_vocab(cfg: Config, vocab_size: int) -> Config:
     return dataclasses.replace(cfg, model=model)
 
 
-def _abstract_state(cfg: Config) -> tuple[Any, Any]:
-    """(graphdef, TrainState of ShapeDtypeStructs) without materialising the parameters."""
-    graphdefs = []
-
-    def init() -> Any:
-        graphdef, state = init_state(cfg)
-        graphdefs.append(graphdef)
-        return state
-
-    abstract = jax.eval_shape(init)
-    return graphdefs[0], abstract
-
-
 def evaluate(eval_step: Callable, params: Any, batches: Sequence[dict]) -> float:
     """Mean validation loss (nats per token) over `batches`."""
     loss_sum, tokens = 0.0, 0.0
@@ -105,16 +103,18 @@ def evaluate(eval_step: Callable, params: Any, batches: Sequence[dict]) -> float
     return loss_sum / tokens
 
 
-def _check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
-    new = to_dict(cfg)
-    for section in ("model", "precision"):
-        if saved.get(section) != new[section]:
-            old = saved.get(section) or {}
-            keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]
-            raise ConfigError(
-                f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
-                f"({', '.join(keys)} differ); choose a new output_dir to start fresh"
-            )
+def reference_tokens(cfg: Config, datasets: Any) -> np.ndarray | None:
+    """int32 [n, L] tokens of the checkpoints' `reference` item, or None.
+
+    The first `checkpoint.reference_sequences` validation sequences (the same on every process),
+    cut to `L = min(train.seq_len, 64)` tokens; None when that is 0 or there is no validation split.
+    """
+    n = min(cfg.checkpoint.reference_sequences, len(datasets.validation_sequences))
+    if n == 0:
+        return None
+    length = min(cfg.train.seq_len, 64)
+    rows = [datasets.validation_sequences[i]["inputs"][:length] for i in range(n)]
+    return np.stack(rows).astype(np.int32)
 
 
 def _eval_batches(cfg: Config, datasets: Any) -> list[dict]:
@@ -148,23 +148,20 @@ class _Outputs:
             self.tensorboard.close()
 
 
-def _resume_or_init(
-    cfg: Config, run_dir: Path, ckpts: Checkpoints, iterator: Any, say: Callable[[str], None]
-) -> tuple[Any, Any, int]:
-    """(graphdef, state, start_step), restoring the newest checkpoint if any."""
-    latest = ckpts.latest_step()
-    if latest is None:
-        graphdef, state = init_state(cfg)
-        return graphdef, state, 0
-    _check_same_model(cfg, ckpts.read_config(latest), run_dir)
-    graphdef, abstract = _abstract_state(cfg)
-    restored = ckpts.restore(latest, abstract)
-    iterator.set_state(restored.data_iter_state)
-    dropped = truncate_metrics(run_dir / METRICS_FILE, latest)
-    say(f"resumed from {run_dir / CHECKPOINT_DIR / str(latest)} (step {latest})")
-    if dropped:
-        say(f"dropped {dropped} metrics rows written after step {latest} by the interrupted run")
-    return graphdef, restored.state, latest
+def _sayer(stream: TextIO) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        print(text, file=stream, flush=True)
+
+    return say
+
+
+def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
+    return Checkpoints(
+        run_dir / CHECKPOINT_DIR,
+        keep=cfg.checkpoint.keep,
+        keep_period=cfg.checkpoint.keep_period,
+        async_save=cfg.checkpoint.async_save,
+    )
 
 
 def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
@@ -181,19 +178,16 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
         ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
     """
     stream = sys.stdout if stream is None else stream
-
-    def say(text: str) -> None:
-        print(text, file=stream, flush=True)
-
+    say = _sayer(stream)
     run_dir = Path(cfg.output_dir)
     datasets = _datasets(cfg)
     cfg = _with_data_vocab(cfg, datasets.vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     iterator = datasets.train_iterator()
-    with Checkpoints(
-        run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
-    ) as ckpts:
-        graphdef, state, start = _resume_or_init(cfg, run_dir, ckpts, iterator, say)
+    with _checkpoints(cfg, run_dir) as ckpts:
+        graphdef, state, start = resume_or_init(
+            cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say
+        )
         (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
         datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
         say(f"run directory: {run_dir.resolve()}")
@@ -205,7 +199,8 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
             say(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do")
             return RunSummary(run_dir, start, start, None, None)
         loop = _Loop(cfg, graphdef, datasets, ckpts, say)
-        return loop.train(state, iterator, run_dir, start, stream)
+        with stop_requests() as stop:
+            return loop.train(state, iterator, run_dir, start, stream, stop)
 
 
 class _Loop:
@@ -218,13 +213,37 @@ class _Loop:
         self.eval_step = jax.jit(make_eval_step(cfg, graphdef))
         self.val_batches = _eval_batches(cfg, datasets)
         self.config_dict = to_dict(cfg)
-        self.quant_stats = {"recipes": layer_recipe_names(cfg.model, cfg.precision)}
+        self.recipes = layer_recipe_names(cfg.model, cfg.precision)
+        self.reference_tokens = reference_tokens(cfg, datasets)
+        seed = cfg.train.seed
+        self.forward = jax.jit(lambda p, t: forward(graphdef, p, t, jax.random.key(seed)))
+
+    def save(self, step: int, state: Any, iterator: Any) -> None:
+        """Writes the checkpoint of `step` with its quant_stats and reference items."""
+        amax = {k: float(v) for k, v in flat_amax(jax.device_get(state.activation_amax)).items()}
+        quantized = [p for p, name in self.recipes.items() if name != "bf16"]
+        stats = {"recipes": self.recipes, "activation_amax": {p: amax[p] for p in quantized}}
+        reference = None
+        if self.reference_tokens is not None:
+            logits = self.forward(state.params, self.reference_tokens)
+            reference = {
+                "tokens": self.reference_tokens,
+                "logits": np.asarray(jax.device_get(logits), np.float32),
+            }
+        self.ckpts.save(
+            step, state, data_iter_state=iterator.get_state(), config=self.config_dict,
+            quant_stats=stats, reference=reference,
+        )  # fmt: skip
 
     def _is_eval_step(self, step: int) -> bool:
         every = self.cfg.train.eval_every
         return bool(self.val_batches) and (
             step == self.cfg.train.steps or bool(every and step % every == 0)
         )
+
+    def _is_row_step(self, step: int) -> bool:
+        last = step == self.cfg.train.steps
+        return last or self._is_eval_step(step) or step % self.cfg.train.log_every == 0
 
     def _is_checkpoint_step(self, step: int) -> bool:
         every = self.cfg.checkpoint.every_steps
@@ -243,8 +262,14 @@ class _Loop:
             row["val_loss"] = evaluate(self.eval_step, params, self.val_batches)
         return row
 
-    def train(self, state, iterator, run_dir: Path, start: int, stream: TextIO) -> RunSummary:
-        """Runs steps `start + 1 .. train.steps`, writing rows and checkpoints as configured."""
+    def train(
+        self, state, iterator, run_dir: Path, start: int, stream: TextIO, stop: StopRequest
+    ) -> RunSummary:
+        """Runs steps `start + 1 .. train.steps`, writing rows and checkpoints as configured.
+
+        After a stop signal the current step finishes, its metrics row and a checkpoint are
+        written, and the run returns early with `stopped_by` set.
+        """
         cfg = self.cfg
         batch = next(iterator)
         t0 = time.perf_counter()
@@ -253,16 +278,14 @@ class _Loop:
         outputs = _Outputs(cfg, run_dir, start, stream)
         window, rows = [], []
         t_window = time.perf_counter()
+        step = start
         try:
             for step in range(start + 1, cfg.train.steps + 1):
                 batch = batch if step == start + 1 else next(iterator)
                 state, step_metrics = step_fn(state, batch)
                 window.append(step_metrics)
-                if (
-                    self._is_eval_step(step)
-                    or step % cfg.train.log_every == 0
-                    or step == cfg.train.steps
-                ):
+                stopping = stop.signal is not None
+                if stopping or self._is_row_step(step):
                     host = jax.device_get(window)  # waits for the window's steps
                     seconds = time.perf_counter() - t_window
                     rows.append(self._row(step, host, seconds, state.params))
@@ -270,24 +293,28 @@ class _Loop:
                     window = []
                 else:
                     outputs.progress.update(step)
-                if self._is_checkpoint_step(step):
-                    self.ckpts.save(
-                        step,
-                        state,
-                        data_iter_state=iterator.get_state(),
-                        config=self.config_dict,
-                        quant_stats=self.quant_stats,
-                    )
+                if stopping or self._is_checkpoint_step(step):
+                    self.save(step, state, iterator)
+                if stopping:
+                    break
                 if not window:  # evaluation and checkpointing do not count as step time
                     t_window = time.perf_counter()
         finally:
             outputs.close()
         self.ckpts.wait()
-        self.say(f"done: {format_row(rows[-1])}")
+        if stop.signal is not None:
+            self.say(
+                f"stopped by {stop.name} after step {step}; checkpoint saved in "
+                f"{self.ckpts.directory / str(step)}. To resume, rerun the same command "
+                f"(or: nvfp4-train run {run_dir / CONFIG_FILE})"
+            )
+        else:
+            self.say(f"done: {format_row(rows[-1])}")
         val = [r["val_loss"] for r in rows if "val_loss" in r]
         return RunSummary(
-            run_dir, start, cfg.train.steps, rows[-1]["loss"], val[-1] if val else None
-        )
+            run_dir, start, step, rows[-1]["loss"], val[-1] if val else None,
+            stop.name or None,
+        )  # fmt: skip
 
 
 def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -320,8 +347,13 @@ def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[s
         latest = ckpts.latest_step()
         if latest is None:
             raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
-        graphdef, abstract = _abstract_state(cfg)
-        restored = ckpts.restore(latest, abstract)
+        graphdef, abstract = abstract_state(cfg)
+        restored = restore_newest_readable(
+            cfg, run_dir, ckpts, abstract, _sayer(stream), set_aside=False
+        )
+    if restored is None:
+        raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
+    latest = restored.step
     eval_step = jax.jit(make_eval_step(cfg, graphdef))
     row = {
         "step": latest,

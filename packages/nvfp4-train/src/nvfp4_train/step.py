@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
-from nvfp4_train.model import Llama
+from nvfp4_train.model import Llama, linear_paths
 from nvfp4_train.optim import make_optimizer, make_schedule
 from nvfp4_train.policy import layer_recipes
 
@@ -36,11 +37,15 @@ class TrainState(NamedTuple):
         step: int32 scalar, number of completed steps.
         params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`).
         opt_state: The optimizer's state.
+        activation_amax: Running max over applied steps of |x| at each linear's input (x after
+            the compute-dtype cast), float32 scalars in a tree like the linears' params:
+            `activation_amax["layers"]["0"]["attn"]["qkv"]` (see `flat_amax`).
     """
 
     step: jax.Array
     params: dict[str, Any]
     opt_state: optax.OptState
+    activation_amax: dict[str, Any]
 
 
 def init_state(
@@ -62,19 +67,52 @@ def init_state(
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
     optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(model_cfg)})
+    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
+
+
+def _amax_tree(flat: dict[str, jax.Array]) -> dict[str, Any]:
+    """{"layers.0.attn.qkv": a} -> {"layers": {"0": {"attn": {"qkv": a}}}}."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
+    """`TrainState.activation_amax` as {module path with dots: value}, e.g. `layers.0.attn.qkv`."""
+    flat = {}
+    for key_path, value in jax.tree_util.tree_flatten_with_path(activation_amax)[0]:
+        flat[".".join(str(k.key) for k in key_path)] = value
+    return flat
+
+
+def forward_with_amax(
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None
+) -> tuple[jax.Array, dict[str, Any]]:
+    """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
+    `TrainState.activation_amax`)."""
+    model = nnx.merge(graphdef, params)
+    logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(inputs_BxL, key=key)
+    sown = nnx.to_pure_dict(intermediates)
+    is_linear = lambda node: isinstance(node, dict) and INPUT_AMAX in node  # noqa: E731
+    return logits_BxLxV, jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
 
 
 def forward(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None) -> jax.Array:
     """float32 logits [B, L, vocab] of the model `graphdef` with `params`."""
-    return nnx.merge(graphdef, params)(inputs_BxL, key=key)
+    return forward_with_amax(graphdef, params, inputs_BxL, key)[0]
 
 
-def _loss_sum(graphdef, params, batch: Batch, key) -> tuple[jax.Array, int]:
-    """float32 sum of token cross-entropies, and the number of tokens."""
-    logits_BxLxV = forward(graphdef, params, batch["inputs"], key)
+def _loss_sum(graphdef, params, batch: Batch, key) -> tuple[jax.Array, int, dict[str, Any]]:
+    """float32 sum of token cross-entropies, the number of tokens, and the linears' input amax."""
+    logits_BxLxV, amax = forward_with_amax(graphdef, params, batch["inputs"], key)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-    return losses_BxL.sum(), losses_BxL.size
+    return losses_BxL.sum(), losses_BxL.size, amax
 
 
 def _split_microbatches(batch: Batch, accum: int) -> Batch:
@@ -86,24 +124,35 @@ def _split_microbatches(batch: Batch, accum: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(accum, b // accum, *x.shape[1:]), batch)
 
 
-def _accumulated_grads(graphdef, params, batch: Batch, key, loss_scale, accum: int):
-    """Mean loss and the gradients of `mean loss * loss_scale`, summed over microbatches."""
+def _accumulated_grads(graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0):
+    """Mean loss, the gradients of `mean loss * loss_scale` summed over microbatches, and the
+    linears' input amax max-reduced over microbatches (starting from the tree `amax0`)."""
 
     def scaled_loss(p, micro: Batch, micro_key):
-        loss_sum, count = _loss_sum(graphdef, p, micro, micro_key)
+        loss_sum, count, amax = _loss_sum(graphdef, p, micro, micro_key)
         loss = loss_sum / count
-        return loss * loss_scale / accum, loss / accum
+        return loss * loss_scale / accum, (loss / accum, amax)
 
     def body(carry, xs):
         index, micro = xs
         grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-        (_, loss), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        (_, (loss, amax)), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
+        loss_sum, grad_sum = jax.tree.map(jnp.add, carry[:2], (loss, grads))
+        return (loss_sum, grad_sum, jax.tree.map(jnp.maximum, carry[2], amax)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), amax0)
     xs = (jnp.arange(accum), _split_microbatches(batch, accum))
-    (loss, grads), _ = jax.lax.scan(body, zeros, xs)
-    return loss, grads
+    (loss, grads, amax), _ = jax.lax.scan(body, zeros, xs)
+    return loss, grads, amax
+
+
+def _updated_amax(running, step_amax, skipped: jax.Array):
+    """The running max, unchanged by a skipped step or a non-finite step amax."""
+
+    def update(old, new):
+        return jnp.where(skipped | ~jnp.isfinite(new), old, jnp.maximum(old, new))
+
+    return jax.tree.map(update, running, step_amax)
 
 
 def make_train_step(
@@ -125,18 +174,23 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch):
         key = jax.random.fold_in(jax.random.key(seed), state.step)
         loss_scale = current_loss_scale(state.opt_state)
-        loss, grads = _accumulated_grads(graphdef, state.params, batch, key, loss_scale, accum)
+        amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
+        loss, grads, step_amax = _accumulated_grads(
+            graphdef, state.params, batch, key, loss_scale, accum, amax0
+        )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        skipped = last_step_skipped(opt_state)
+        amax = _updated_amax(state.activation_amax, step_amax, skipped)
         metrics = {
             "loss": loss,
             "grad_norm": global_norm(grads) / loss_scale,
             "lr": schedule(state.step),
-            "skipped": last_step_skipped(opt_state).astype(jnp.int32),
+            "skipped": skipped.astype(jnp.int32),
             "skipped_total": skipped_steps(opt_state),
             "loss_scale": loss_scale,
         }
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, amax), metrics
 
     return train_step
 
@@ -150,7 +204,7 @@ def make_eval_step(cfg, graphdef: nnx.GraphDef) -> Callable[[Any, Batch], tuple[
     seed = cfg.train.seed
 
     def eval_step(params, batch: Batch):
-        loss_sum, count = _loss_sum(graphdef, params, batch, jax.random.key(seed))
+        loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed))
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step

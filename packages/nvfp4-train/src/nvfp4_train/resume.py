@@ -1,0 +1,113 @@
+"""Starting a run: fresh, or from the newest READABLE checkpoint of its run directory.
+
+A checkpoint that cannot be read (files missing or truncated, a save that never finished but left
+an integer-named directory) is reported, renamed to `<step>.unreadable` so it is never picked or
+overwritten, and the previous one is tried. A checkpoint of a different model or precision config is
+refused with the differing keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from nvfp4_train.checkpoint import Checkpoints, Restored
+from nvfp4_train.config import Config, ConfigError, to_dict
+from nvfp4_train.metrics import truncate_metrics
+from nvfp4_train.step import init_state
+
+
+def abstract_state(cfg: Config) -> tuple[Any, Any]:
+    """(graphdef, TrainState of ShapeDtypeStructs) without materialising the parameters."""
+    graphdefs = []
+
+    def init() -> Any:
+        graphdef, state = init_state(cfg)
+        graphdefs.append(graphdef)
+        return state
+
+    abstract = jax.eval_shape(init)
+    return graphdefs[0], abstract
+
+
+def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
+    """Raises ConfigError naming every `model.*` / `precision.*` key that differs from `saved`."""
+    new = to_dict(cfg)
+    for section in ("model", "precision"):
+        if saved.get(section) != new[section]:
+            old = saved.get(section) or {}
+            keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]
+            raise ConfigError(
+                f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
+                f"({', '.join(keys)} differ); choose a new output_dir to start fresh"
+            )
+
+
+def restore_newest_readable(
+    cfg: Config,
+    run_dir: Path,
+    ckpts: Checkpoints,
+    abstract: Any,
+    say: Callable[[str], None],
+    *,
+    set_aside: bool = True,
+) -> Restored | None:
+    """The newest checkpoint that restores, setting aside (and reporting) unreadable newer ones.
+
+    Raises:
+        ConfigError: the newest readable checkpoint is of a different model or precision.
+    """
+    for step in reversed(ckpts.all_steps()):
+        try:
+            saved_config = ckpts.read_config(step)
+        except Exception as e:  # noqa: BLE001 - any failure to read means "unreadable"
+            _report_unreadable(ckpts, step, e, say, set_aside)
+            continue
+        check_same_model(cfg, saved_config, run_dir)
+        try:
+            return ckpts.restore(step, abstract)
+        except Exception as e:  # noqa: BLE001
+            _report_unreadable(ckpts, step, e, say, set_aside)
+    return None
+
+
+def _report_unreadable(ckpts, step: int, error: Exception, say, set_aside: bool) -> None:
+    reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    where = ckpts.directory / str(step)
+    if set_aside:
+        moved = ckpts.set_aside(step)
+        say(f"warning: checkpoint {where} is unreadable ({reason}); moved it to {moved.name}")
+    else:
+        say(f"warning: checkpoint {where} is unreadable ({reason}); skipping it")
+    say("trying the previous checkpoint")
+
+
+def resume_or_init(
+    cfg: Config,
+    run_dir: Path,
+    ckpts: Checkpoints,
+    iterator: Any,
+    metrics_path: Path,
+    say: Callable[[str], None],
+) -> tuple[Any, Any, int]:
+    """(graphdef, state, start_step): the newest readable checkpoint restored, or a fresh state.
+
+    On resume the data iterator is set to the checkpoint's position and `metrics_path` rows written
+    after the checkpoint's step are dropped.
+    """
+    graphdef, abstract = abstract_state(cfg)
+    restored = restore_newest_readable(cfg, run_dir, ckpts, abstract, say)
+    if restored is None:
+        graphdef, state = init_state(cfg)
+        return graphdef, state, 0
+    iterator.set_state(restored.data_iter_state)
+    dropped = truncate_metrics(metrics_path, restored.step)
+    say(f"resumed from {ckpts.directory / str(restored.step)} (step {restored.step})")
+    if dropped:
+        say(
+            f"dropped {dropped} metrics rows written after step {restored.step} by the interrupted run"
+        )
+    return graphdef, restored.state, restored.step

@@ -1,0 +1,163 @@
+"""Surviving kills: SIGKILL at a random step and SIGTERM both resume to the exact losses of an
+uninterrupted run; unreadable or half-written checkpoints are skipped; retention with keep_period."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import yaml
+
+from nvfp4_train.checkpoint import Checkpoints
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.metrics import read_metrics
+from nvfp4_train.run import run
+
+STEPS = 120
+SECTIONS = {
+    "train": {"steps": STEPS, "log_every": 1, "eval_every": 0, "batch_size": 4, "seq_len": 16},
+    "checkpoint": {"every_steps": 10, "keep": 2},
+    "logging": {"progress": "plain", "tensorboard": False},
+}
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        return 0
+    return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+def _start(config: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "nvfp4_train", "run", str(config)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _signal_at(process: subprocess.Popen, run_dir: Path, step: int, sig: int) -> int:
+    """Sends `sig` once the run has logged `step`; returns the last logged step at that moment."""
+    deadline = time.monotonic() + 600
+    while _last_step(run_dir) < step:
+        if process.poll() is not None or time.monotonic() > deadline:
+            out, err = process.communicate()
+            raise AssertionError(f"run ended before step {step}: {out[-1500:]}{err[-3000:]}")
+        time.sleep(0.005)
+    seen = _last_step(run_dir)
+    process.send_signal(sig)
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class KilledRuns:
+    reference: Path
+    killed: Path
+    killed_at: int
+    terminated: Path
+    terminated_at: int
+    term_output: str
+    term_returncode: int
+    resumed_outputs: tuple[str, str]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
+    """An uninterrupted run, one SIGKILLed and one SIGTERMed at random steps after the first
+    checkpoint (all three at once), then both interrupted ones resumed to the end."""
+    root = tmp_path_factory.mktemp("killed")
+    rng = random.Random(os.getpid())
+    kill_step, term_step = rng.randint(11, 70), rng.randint(11, 70)
+    configs = {}
+    for name in ("reference", "killed", "terminated"):
+        configs[name] = root / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(tiny_config(root / name, **SECTIONS)))
+    procs = {name: _start(path) for name, path in configs.items()}
+    try:
+        killed_at = _signal_at(procs["killed"], root / "killed", kill_step, signal.SIGKILL)
+        terminated_at = _signal_at(
+            procs["terminated"], root / "terminated", term_step, signal.SIGTERM
+        )
+        outs = {name: p.communicate(timeout=900) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert procs["reference"].returncode == 0, outs["reference"][1][-3000:]
+    assert procs["killed"].returncode == -signal.SIGKILL, f"kill at {kill_step} came too late"
+    resumed = {name: _start(configs[name]) for name in ("killed", "terminated")}
+    resumed_out = {name: p.communicate(timeout=900) for name, p in resumed.items()}
+    for name, p in resumed.items():
+        assert p.returncode == 0, resumed_out[name][1][-3000:]
+    return KilledRuns(
+        root / "reference", root / "killed", killed_at, root / "terminated", terminated_at,
+        outs["terminated"][0] + outs["terminated"][1], procs["terminated"].returncode,
+        (resumed_out["killed"][0], resumed_out["terminated"][0]),
+    )  # fmt: skip
+
+
+def test_sigkill_at_a_random_step_resumes_bit_identically(killed_runs):
+    reference = _losses(killed_runs.reference)
+    assert [s for s, _ in reference] == list(range(1, STEPS + 1))
+    assert 10 < killed_runs.killed_at < STEPS
+    assert "resumed from" in killed_runs.resumed_outputs[0]
+    assert _losses(killed_runs.killed) == reference  # bit-identical floats, every step
+
+
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(killed_runs):
+    out = killed_runs.term_output
+    assert killed_runs.term_returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM after step" in out and "To resume, rerun the same command" in out
+    stopped = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert killed_runs.terminated_at <= stopped < STEPS
+    assert f"(step {stopped})" in killed_runs.resumed_outputs[1]  # resumed from that exact step
+    assert _losses(killed_runs.terminated) == _losses(killed_runs.reference)
+
+
+def test_unreadable_and_half_written_checkpoints_are_skipped(trained_runs, tiny_config, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_runs.cli_dir, run_dir)
+    before = _losses(run_dir)
+    ckpts = run_dir / "checkpoints"
+    last = trained_runs.steps
+    for path in (ckpts / str(last) / "params").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0:
+            path.write_bytes(b"\0" * 8)  # corrupt every file of the newest params item
+    shutil.copytree(ckpts / "4", ckpts / "12.orbax-checkpoint-tmp-1700000000")  # a killed save
+    out = io.StringIO()
+    cfg = config_from_dict(tiny_config(run_dir, **trained_runs.sections))
+    summary = run(cfg, stream=out)
+    text = out.getvalue()
+    assert f"checkpoint {ckpts.absolute() / str(last)} is unreadable" in text, text
+    assert f"moved it to {last}.unreadable" in text and (ckpts / f"{last}.unreadable").is_dir()
+    assert summary.start_step == 4 and "(step 4)" in text
+    assert _losses(run_dir) == before
+
+
+class _Tiny(NamedTuple):
+    step: Any
+    params: dict
+
+
+def test_keep_period_keeps_every_mth_besides_the_newest(tmp_path):
+    import jax.numpy as jnp
+
+    with Checkpoints(tmp_path, keep=1, keep_period=4) as ckpts:
+        for step in (2, 4, 6, 8, 10):
+            state = _Tiny(jnp.int32(step), {"w": jnp.ones(3) * step})
+            ckpts.save(step, state, data_iter_state={}, config={})
+        assert ckpts.all_steps() == [4, 8, 10]
+    with pytest.raises(ValueError, match="keep_period must be >= 0"):
+        Checkpoints(tmp_path, keep=1, keep_period=-1)
