@@ -28,8 +28,8 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
-from nvfp4_format.packing import pack_fp4, unpack_fp4
+from nvfp4_format.e2m1 import E2M1_MAX, encode_e2m1
+from nvfp4_format.packing import decode_packed, pack_fp4, unpack_fp4
 
 MX_BLOCK_SIZE = 32
 E8M0_BIAS = 127
@@ -99,7 +99,7 @@ def dequantize_mxfp4(a: MXFP4Array, dtype: Any = np.float32) -> Any:
     if not isinstance(a, MXFP4Array):
         raise TypeError(f"a must be an MXFP4Array, got {type(a).__name__}")
     xp = namespace(a.packed, a.scales)
-    values = decode_e2m1(unpack_fp4(a.packed))
+    values = decode_packed(a.packed)
     blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK_SIZE)
     exponent = a.scales.astype(xp.int32) - E8M0_BIAS
     out = xp.ldexp(blocks, exponent[..., None])

@@ -36,8 +36,8 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import CHUNK_ELEMENTS, E2M1_MAX, _encode_bits, decode_e2m1
-from nvfp4_format.packing import pack_pairs, unpack_fp4
+from nvfp4_format.e2m1 import CHUNK_ELEMENTS, E2M1_MAX, _encode_bits
+from nvfp4_format.packing import decode_packed, pack_pairs, unpack_fp4
 
 E4M3_MAX = 448.0
 BLOCK_SIZE = 16
@@ -161,7 +161,7 @@ def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
     if not isinstance(a, NVFP4Array):
         raise TypeError(f"a must be an NVFP4Array, got {type(a).__name__}")
     xp = namespace(a.packed, a.block_scales, a.global_scale)
-    values = decode_e2m1(unpack_fp4(a.packed))
+    values = decode_packed(a.packed)
     blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
     scales = xp.asarray(a.block_scales).astype(xp.float32)[..., None]
     out = (blocks * scales) * xp.asarray(a.global_scale, dtype=xp.float32)

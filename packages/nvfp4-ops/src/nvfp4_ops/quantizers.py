@@ -68,39 +68,19 @@ def quantize_operand(x: jax.Array, tq: TensorQuant, key: jax.Array | None = None
         return x
 
 
-def fp4_values(packed: jax.Array) -> jax.Array:
-    """Packed E2M1 bytes [..., C/2] -> float32 element values [..., C].
-
-    Decodes through XLA's native float4_e2m1fn type (a bitcast splits each byte into its two
-    nibbles, low nibble first, the NVFP4 packing order), equal to
-    `nvfp4_format.decode_e2m1(unpack_fp4(packed))` but without a table gather, which XLA on CPU
-    runs 2-3x slower once fused after a quantize (measured; see docs/ops.md).
-    """
-    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
-    return f4.reshape(*packed.shape[:-1], -1).astype(jnp.float32)
-
-
 def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
-    """Same arithmetic, in the same order, as `nvfp4_format.dequantize` (tested bit-exact).
+    """`nvfp4_format.dequantize` behind an optimization barrier.
 
-    The optimization barrier makes XLA materialise the packed codes and E4M3 scales first;
-    without it, XLA on CPU fuses the decode with the quantization and recomputes each block's
-    scale (a software E4M3 conversion) for every element, 3-4x slower (measured).
+    The barrier makes XLA materialise the packed codes and E4M3 scales first; without it, XLA on
+    CPU fuses the decode with the quantization and recomputes each block's scale (a software E4M3
+    conversion) for every element, 3-4x slower (measured, see docs/ops.md).
     """
-    q = jax.lax.optimization_barrier(q)
-    values = fp4_values(q.packed)
-    blocks = values.reshape(*values.shape[:-1], -1, 16)
-    scales = q.block_scales.astype(jnp.float32)[..., None]
-    return ((blocks * scales) * q.global_scale).reshape(values.shape).astype(dtype)
+    return nvfp4_format.dequantize(jax.lax.optimization_barrier(q), dtype)
 
 
 def _dequantize_mxfp4(q: Any, dtype) -> jax.Array:
-    """Same values as `nvfp4_format.dequantize_mxfp4`: element * 2^(byte - 127), byte 255 = NaN."""
-    q = jax.lax.optimization_barrier(q)
-    values = fp4_values(q.packed)
-    blocks = values.reshape(*values.shape[:-1], -1, 32)
-    scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu).astype(jnp.float32)
-    return (blocks * scales[..., None]).reshape(values.shape).astype(dtype)
+    """`nvfp4_format.dequantize_mxfp4` behind an optimization barrier (as for NVFP4)."""
+    return nvfp4_format.dequantize_mxfp4(jax.lax.optimization_barrier(q), dtype)
 
 
 def dequantize_operand(q: Any, tq: TensorQuant, dtype=jnp.float32) -> jax.Array:
