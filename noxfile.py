@@ -111,7 +111,8 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (not in the default test run): tables on stdout, JSON under docs/benchmarks/."""
-    session.install(f"{FORMAT}[jax]", f"{OPS}[test]", EXPORT)
+    session.install(f"{FORMAT}[jax]", f"{OPS}[test]", TRAIN, EXPORT)
     session.run("python", "packages/nvfp4-format/benchmarks/bench_quantize.py")
     session.run("python", "packages/nvfp4-ops/benchmarks/bench_step.py")
+    session.run("python", "packages/nvfp4-train/benchmarks/bench_train_step.py")
     session.run("python", "packages/nvfp4-export/benchmarks/bench_export.py")
