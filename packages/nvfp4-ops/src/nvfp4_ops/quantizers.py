@@ -69,29 +69,31 @@ def quantize_operand(x: jax.Array, tq: TensorQuant, key: jax.Array | None = None
         return x
 
 
-def materialised_scales(scales: jax.Array) -> jax.Array:
-    """The same block scales, read back from memory by every consumer (bit-identical).
+def materialised(x: jax.Array) -> jax.Array:
+    """`x` itself (bit for bit), written to memory once and read back by every consumer.
 
     XLA:CPU drops `optimization_barrier`s before fusion and duplicates cheap elementwise
-    producers into each consumer, so a decode fused after the quantization recomputed each block's
-    E4M3 scale (clamp + a software float32 -> E4M3 rounding) for every one of its 16 elements. A
-    reduction is never fused into its consumer: the max of the scale bytes and 0 over a size-2
-    axis (the bytes themselves) makes XLA write the scales once and the decode read them. The
-    per-element E4M3 -> float32 widening that stays in the decode is cheap and also keeps XLA:CPU
-    from pulling the decode into the GEMM (measured: the GEMM slowed 3x when it did).
+    producers into each consumer. A reduction is never fused into its consumer, so the max of
+    x's bits (as unsigned integers) and 0 over a size-2 axis - x exactly, NaN payloads and -0
+    included - makes XLA compute x once where the consumer reads each element several times
+    (XLA does fuse it into a one-to-one consumer such as a transpose). Used for block scales: a
+    decode fused after the quantization re-ran clamp + float32 -> E4M3 for each of a block's 16
+    elements.
     """
-    u = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    uint = jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}")
+    u = jax.lax.bitcast_convert_type(x, uint)
     u = jnp.max(jnp.stack([u, jnp.zeros_like(u)], axis=-1), axis=-1)
-    return jax.lax.bitcast_convert_type(u, scales.dtype)
+    return jax.lax.bitcast_convert_type(u, x.dtype)
 
 
 def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
     """`nvfp4_format.dequantize` reading block scales materialised in memory.
 
-    Measured at 1024^2 inside a full-recipe step: 0.8-1.7 ms per decode instead of 4-7 ms
-    (see docs/ops.md).
+    The per-element E4M3 -> float32 widening left in the decode is cheap, and it also keeps
+    XLA:CPU from pulling the decode into the GEMM (which made the GEMM ~3x slower). Measured at
+    1024^2 inside a full-recipe step: 0.8-1.7 ms per decode instead of 4-7 ms (docs/ops.md).
     """
-    q = dataclasses.replace(q, block_scales=materialised_scales(q.block_scales))
+    q = dataclasses.replace(q, block_scales=materialised(q.block_scales))
     return nvfp4_format.dequantize(q, dtype)
 
 
