@@ -23,7 +23,7 @@ from nvfp4_train.config import config_from_dict
 from nvfp4_train.metrics import read_metrics
 from nvfp4_train.run import run
 
-STEPS = 120
+STEPS = 60
 SECTIONS = {
     "train": {"steps": STEPS, "log_every": 1, "eval_every": 0, "batch_size": 4, "seq_len": 16},
     "checkpoint": {"every_steps": 10, "keep": 2},
@@ -79,7 +79,7 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
     checkpoint (all three at once), then both interrupted ones resumed to the end."""
     root = tmp_path_factory.mktemp("killed")
     rng = random.Random(os.getpid())
-    kill_step, term_step = rng.randint(11, 70), rng.randint(11, 70)
+    kill_step, term_step = rng.randint(11, 45), rng.randint(11, 45)
     configs = {}
     for name in ("reference", "killed", "terminated"):
         configs[name] = root / f"{name}.yaml"

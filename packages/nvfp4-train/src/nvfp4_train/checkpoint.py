@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 DATA_ITER_ITEM = "data_iter"
 CONFIG_ITEM = "config"
@@ -109,13 +110,19 @@ class Checkpoints:
 
         The new name is not an integer, so orbax and readers skip it; it is kept for inspection.
         """
+        multi = jax.process_count() > 1
+        if multi:  # every process picks the same name before one of them renames
+            multihost_utils.sync_global_devices(f"nvfp4_train set_aside {step} start")
         source = self.directory / str(step)
         target = self.directory / f"{step}.unreadable"
         k = 0
         while target.exists():
             k += 1
             target = self.directory / f"{step}.unreadable-{k}"
-        source.rename(target)
+        if jax.process_index() == 0:
+            source.rename(target)
+        if multi:
+            multihost_utils.sync_global_devices(f"nvfp4_train set_aside {step} done")
         self._manager.reload()
         return target
 

@@ -53,9 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from nvfp4_train.distributed import initialize_from
     from nvfp4_train.run import run
 
-    run(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
+    run(cfg)
     return 0
 
 

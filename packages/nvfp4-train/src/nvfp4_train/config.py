@@ -1,7 +1,7 @@
 """The run configuration: a typed, frozen dataclass tree and its YAML loader.
 
 `Config` gathers one section per concern (`model`, `precision`, `optimizer`, `data`, `train`,
-`checkpoint`, `logging`). The loader builds the tree generically from the dataclass type hints, so a
+`checkpoint`, `logging`, `mesh`, `distributed`). The loader builds the tree generically from the dataclass type hints, so a
 section only has to declare typed, defaulted fields and validate values in `__post_init__`.
 Loading never touches the file system beyond reading the YAML, and never initialises a runtime.
 
@@ -24,9 +24,11 @@ from typing import Any, Literal
 import yaml
 
 from nvfp4_train.data import DataConfig
+from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.policy import PrecisionConfig
+from nvfp4_train.sharding import MeshConfig
 
 
 class ConfigError(ValueError):
@@ -138,6 +140,8 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if not self.output_dir:

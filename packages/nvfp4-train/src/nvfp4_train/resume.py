@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from nvfp4_train.checkpoint import Checkpoints, Restored
 from nvfp4_train.config import Config, ConfigError, to_dict
 from nvfp4_train.metrics import truncate_metrics
+from nvfp4_train.sharding import tree_shardings
 from nvfp4_train.step import init_state
 
 
@@ -92,22 +94,29 @@ def resume_or_init(
     iterator: Any,
     metrics_path: Path,
     say: Callable[[str], None],
+    mesh: Mesh,
 ) -> tuple[Any, Any, int]:
-    """(graphdef, state, start_step): the newest readable checkpoint restored, or a fresh state.
+    """(graphdef, state, start_step): the newest readable checkpoint restored, or a fresh state,
+    placed on `mesh` by the sharding rules (`nvfp4_train.sharding.tree_shardings`).
 
     On resume the data iterator is set to the checkpoint's position and `metrics_path` rows written
     after the checkpoint's step are dropped.
     """
     graphdef, abstract = abstract_state(cfg)
-    restored = restore_newest_readable(cfg, run_dir, ckpts, abstract, say)
-    if restored is None:
-        graphdef, state = init_state(cfg)
+    shardings = tree_shardings(abstract, abstract.params, mesh)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    restored = restore_newest_readable(cfg, run_dir, ckpts, target, say)
+    if restored is None:  # initialised in place, already sharded
+        state = jax.jit(lambda: init_state(cfg)[1], out_shardings=shardings)()
         return graphdef, state, 0
+    restored_state = jax.device_put(restored.state, shardings)
     iterator.set_state(restored.data_iter_state)
-    dropped = truncate_metrics(metrics_path, restored.step)
+    dropped = truncate_metrics(metrics_path, restored.step) if jax.process_index() == 0 else 0
     say(f"resumed from {ckpts.directory / str(restored.step)} (step {restored.step})")
     if dropped:
         say(
             f"dropped {dropped} metrics rows written after step {restored.step} by the interrupted run"
         )
-    return graphdef, restored.state, restored.step
+    return graphdef, restored_state, restored.step

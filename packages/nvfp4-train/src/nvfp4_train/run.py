@@ -20,6 +20,8 @@ from typing import Any, TextIO
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
@@ -34,6 +36,13 @@ from nvfp4_train.metrics import (
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.policy import layer_recipe_names
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
+from nvfp4_train.sharding import (
+    batch_sharding,
+    bytes_per_device,
+    global_batch,
+    host_value,
+    make_mesh,
+)
 from nvfp4_train.step import (
     count_params,
     flat_amax,
@@ -73,13 +82,11 @@ class RunSummary:
 
 
 def _datasets(cfg: Config) -> Any:
+    """The data in global order: every process iterates the same global batches and places only
+    the rows its devices hold (`global_batch`), so a run's numerics do not depend on how many
+    processes share it."""
     return make_datasets(
-        cfg.data,
-        seq_len=cfg.train.seq_len,
-        batch_size=cfg.train.batch_size,
-        seed=cfg.train.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=cfg.train.seed
     )
 
 
@@ -96,8 +103,8 @@ def evaluate(eval_step: Callable, params: Any, batches: Sequence[dict]) -> float
     loss_sum, tokens = 0.0, 0.0
     for batch in batches:
         batch_loss, batch_tokens = eval_step(params, batch)
-        loss_sum += float(batch_loss)
-        tokens += float(batch_tokens)
+        loss_sum += float(host_value(batch_loss))
+        tokens += float(host_value(batch_tokens))
     if tokens == 0:
         raise ValueError("batches must hold at least one target token, got none")
     return loss_sum / tokens
@@ -126,9 +133,10 @@ class _Outputs:
     """The run's writers: metrics.jsonl, TensorBoard and the progress display."""
 
     def __init__(self, cfg: Config, run_dir: Path, start: int, stream: TextIO) -> None:
-        self.metrics = MetricsFile(run_dir / METRICS_FILE)
+        primary = jax.process_index() == 0  # one writer per run directory
+        self.metrics = MetricsFile(run_dir / METRICS_FILE) if primary else None
         self.tensorboard = None
-        if cfg.logging.tensorboard:
+        if cfg.logging.tensorboard and primary:
             purge = start + 1 if start else None
             self.tensorboard = TensorBoard(run_dir / TENSORBOARD_DIR, purge_step=purge)
         self.progress = make_progress(
@@ -136,16 +144,35 @@ class _Outputs:
         )
 
     def write(self, row: dict[str, Any]) -> None:
-        self.metrics.append(row)
+        if self.metrics is not None:
+            self.metrics.append(row)
         if self.tensorboard is not None:
             self.tensorboard.write(row)
         self.progress.update(row["step"], row)
 
     def close(self) -> None:
         self.progress.close()
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _memory_line(mesh: Any, state: Any) -> str:
+    mib = 1 / 2**20
+    shape = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    return (
+        f"mesh: {shape} over {mesh.size} devices ({jax.process_count()} processes); per device: "
+        f"parameters {bytes_per_device(state.params) * mib:.2f} MiB, optimizer state "
+        f"{bytes_per_device(state.opt_state) * mib:.2f} MiB"
+    )
+
+
+def _agreed(flag: bool) -> bool:
+    """True on every process when it is True on any (one process may get the signal first)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
 
 
 def _sayer(stream: TextIO) -> Callable[[str], None]:
@@ -184,21 +211,24 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     cfg = _with_data_vocab(cfg, datasets.vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     iterator = datasets.train_iterator()
+    mesh = make_mesh(cfg.mesh, jax.devices())
     with _checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
-            cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say
+            cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say, mesh
         )
-        (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
-        datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
+        if jax.process_index() == 0:
+            (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+            datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
         say(f"run directory: {run_dir.resolve()}")
         say(
             f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
             f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
         )
+        say(_memory_line(mesh, state))
         if start >= cfg.train.steps:
             say(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do")
             return RunSummary(run_dir, start, start, None, None)
-        loop = _Loop(cfg, graphdef, datasets, ckpts, say)
+        loop = _Loop(cfg, graphdef, datasets, ckpts, say, mesh, state)
         with stop_requests() as stop:
             return loop.train(state, iterator, run_dir, start, stream, stop)
 
@@ -206,21 +236,38 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
 class _Loop:
     """One training session from `start` to `train.steps` (compiled steps and helpers)."""
 
-    def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say) -> None:
+    def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say, mesh,
+                 state) -> None:  # fmt: skip
         self.cfg, self.ckpts, self.say = cfg, ckpts, say
         self.optimizer = make_optimizer(cfg, cfg.train.steps)
-        self.train_step = jax.jit(make_train_step(cfg, graphdef, self.optimizer), donate_argnums=0)
-        self.eval_step = jax.jit(make_eval_step(cfg, graphdef))
-        self.val_batches = _eval_batches(cfg, datasets)
+        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
+        self.train_step = jax.jit(
+            make_train_step(cfg, graphdef, self.optimizer, mesh),
+            in_shardings=(state_sh, self.batch_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            make_eval_step(cfg, graphdef, mesh),
+            in_shardings=(state_sh.params, self.batch_sh),
+            out_shardings=replicated,
+        )
+        self.val_batches = [global_batch(b, self.batch_sh) for b in _eval_batches(cfg, datasets)]
         self.config_dict = to_dict(cfg)
         self.recipes = layer_recipe_names(cfg.model, cfg.precision)
         self.reference_tokens = reference_tokens(cfg, datasets)
         seed = cfg.train.seed
-        self.forward = jax.jit(lambda p, t: forward(graphdef, p, t, jax.random.key(seed)))
+        self.forward = jax.jit(
+            lambda p, t: forward(graphdef, p, t, jax.random.key(seed)),
+            in_shardings=(state_sh.params, replicated),
+            out_shardings=replicated,
+        )
 
     def save(self, step: int, state: Any, iterator: Any) -> None:
         """Writes the checkpoint of `step` with its quant_stats and reference items."""
-        amax = {k: float(v) for k, v in flat_amax(jax.device_get(state.activation_amax)).items()}
+        amax = {k: float(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
         quantized = [p for p, name in self.recipes.items() if name != "bf16"]
         stats = {"recipes": self.recipes, "activation_amax": {p: amax[p] for p in quantized}}
         reference = None
@@ -228,7 +275,7 @@ class _Loop:
             logits = self.forward(state.params, self.reference_tokens)
             reference = {
                 "tokens": self.reference_tokens,
-                "logits": np.asarray(jax.device_get(logits), np.float32),
+                "logits": np.asarray(host_value(logits), np.float32),
             }
         self.ckpts.save(
             step, state, data_iter_state=iterator.get_state(), config=self.config_dict,
@@ -271,7 +318,7 @@ class _Loop:
         written, and the run returns early with `stopped_by` set.
         """
         cfg = self.cfg
-        batch = next(iterator)
+        batch = global_batch(next(iterator), self.batch_sh)
         t0 = time.perf_counter()
         step_fn = self.train_step.lower(state, batch).compile()
         self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
@@ -281,12 +328,13 @@ class _Loop:
         step = start
         try:
             for step in range(start + 1, cfg.train.steps + 1):
-                batch = batch if step == start + 1 else next(iterator)
+                if step > start + 1:
+                    batch = global_batch(next(iterator), self.batch_sh)
                 state, step_metrics = step_fn(state, batch)
                 window.append(step_metrics)
-                stopping = stop.signal is not None
+                stopping = _agreed(stop.signal is not None)
                 if stopping or self._is_row_step(step):
-                    host = jax.device_get(window)  # waits for the window's steps
+                    host = [jax.tree.map(host_value, m) for m in window]  # waits for them
                     seconds = time.perf_counter() - t_window
                     rows.append(self._row(step, host, seconds, state.params))
                     outputs.write(rows[-1])

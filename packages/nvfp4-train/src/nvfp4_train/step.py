@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.model import Llama, linear_paths
 from nvfp4_train.optim import make_optimizer, make_schedule
 from nvfp4_train.policy import layer_recipes
+from nvfp4_train.sharding import batch_sharding, logits_sharding
 
 Batch = dict[str, jax.Array]
 
@@ -108,9 +110,34 @@ def forward(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None) -> 
     return forward_with_amax(graphdef, params, inputs_BxL, key)[0]
 
 
-def _loss_sum(graphdef, params, batch: Batch, key) -> tuple[jax.Array, int, dict[str, Any]]:
+def activation_constraint(mesh: Mesh | None) -> Callable[[str, jax.Array], jax.Array]:
+    """`constrain(kind, x)`: `with_sharding_constraint` of a batch ("tokens" [B, L]) or logits
+    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp, vocab over tensor);
+    the identity without a mesh."""
+
+    def constrain(kind: str, x: jax.Array) -> jax.Array:
+        if mesh is None:
+            return x
+        if kind == "tokens":
+            return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape[0]))
+        sharding = logits_sharding(mesh, x.shape[0], x.shape[-1])
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return constrain
+
+
+def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
+    del kind
+    return x
+
+
+def _loss_sum(
+    graphdef, params, batch: Batch, key, constrain=_no_constraint
+) -> tuple[jax.Array, int, dict[str, Any]]:
     """float32 sum of token cross-entropies, the number of tokens, and the linears' input amax."""
-    logits_BxLxV, amax = forward_with_amax(graphdef, params, batch["inputs"], key)
+    inputs_BxL = constrain("tokens", batch["inputs"])
+    logits_BxLxV, amax = forward_with_amax(graphdef, params, inputs_BxL, key)
+    logits_BxLxV = constrain("logits", logits_BxLxV)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
     return losses_BxL.sum(), losses_BxL.size, amax
 
@@ -124,12 +151,14 @@ def _split_microbatches(batch: Batch, accum: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(accum, b // accum, *x.shape[1:]), batch)
 
 
-def _accumulated_grads(graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0):
+def _accumulated_grads(
+    graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0, constrain
+):
     """Mean loss, the gradients of `mean loss * loss_scale` summed over microbatches, and the
     linears' input amax max-reduced over microbatches (starting from the tree `amax0`)."""
 
     def scaled_loss(p, micro: Batch, micro_key):
-        loss_sum, count, amax = _loss_sum(graphdef, p, micro, micro_key)
+        loss_sum, count, amax = _loss_sum(graphdef, p, micro, micro_key, constrain)
         loss = loss_sum / count
         return loss * loss_scale / accum, (loss / accum, amax)
 
@@ -156,7 +185,10 @@ def _updated_amax(running, step_amax, skipped: jax.Array):
 
 
 def make_train_step(
-    cfg, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation
+    cfg,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns the pure `train_step(state, batch) -> (state, metrics)`; jit it once, donating state.
 
@@ -164,19 +196,21 @@ def make_train_step(
     microbatch index, so a rerun is bit-identical. Metrics (scalars): `loss` (mean FP32 token
     cross-entropy of the batch), `grad_norm` (global norm of the unscaled, unclipped gradients),
     `lr` (the schedule at this step), `skipped` (1 if this update was skipped as non-finite),
-    `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling).
+    `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling). With a `mesh`, the tokens
+    and logits are constrained to its batch / vocab sharding (`activation_constraint`).
     """
     seed, accum = cfg.train.seed, cfg.train.grad_accum_steps
     if accum < 1:
         raise ValueError(f"train.grad_accum_steps must be >= 1, got {accum}")
     schedule = make_schedule(cfg.optimizer, cfg.train.steps)
+    constrain = activation_constraint(mesh)
 
     def train_step(state: TrainState, batch: Batch):
         key = jax.random.fold_in(jax.random.key(seed), state.step)
         loss_scale = current_loss_scale(state.opt_state)
         amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
         loss, grads, step_amax = _accumulated_grads(
-            graphdef, state.params, batch, key, loss_scale, accum, amax0
+            graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -195,16 +229,18 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(cfg, graphdef: nnx.GraphDef) -> Callable[[Any, Batch], tuple[jax.Array, ...]]:
+def make_eval_step(
+    cfg, graphdef: nnx.GraphDef, mesh: Mesh | None = None
+) -> Callable[[Any, Batch], tuple[jax.Array, ...]]:
     """Returns `eval_step(params, batch) -> (loss_sum float32, token_count int32)`.
 
     Forward only: the fixed key `key(train.seed)` is passed for recipes that require one
     (stochastic rounding only touches gradients, so it does not change the result).
     """
-    seed = cfg.train.seed
+    seed, constrain = cfg.train.seed, activation_constraint(mesh)
 
     def eval_step(params, batch: Batch):
-        loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed))
+        loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step
