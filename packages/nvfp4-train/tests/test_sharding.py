@@ -69,10 +69,10 @@ def test_optimizer_moments_follow_their_parameters():
 
 
 def _losses(run_dir):
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    return [r["loss"] for r in rows if "loss" in r], [
-        r["val_loss"] for r in rows if "val_loss" in r
-    ]
+    """(training losses, validation losses by step) of a run; `eval` rows are left out."""
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    return [r["loss"] for r in rows], [val[step] for step in sorted(val)]
 
 
 def test_eight_device_mesh_matches_one_device(trained_runs, tmp_path):

@@ -21,11 +21,13 @@ from nvfp4_train.config import (
     to_yaml,
 )
 from nvfp4_train.data import DataConfig, make_datasets
+from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.plot import plot_runs
 from nvfp4_train.policy import PrecisionConfig
 from nvfp4_train.run import RunSummary, evaluate_run, run
+from nvfp4_train.sharding import MeshConfig, make_mesh
 
 __all__ = [
     "CheckpointConfig",
@@ -33,7 +35,9 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "LoggingConfig",
+    "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
@@ -44,6 +48,7 @@ __all__ = [
     "evaluate_run",
     "load_config",
     "make_datasets",
+    "make_mesh",
     "plot_runs",
     "run",
     "to_dict",

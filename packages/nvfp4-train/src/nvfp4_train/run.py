@@ -2,8 +2,10 @@
 
 A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tokenizer/`,
 `checkpoints/<step>/` (orbax, see docs/checkpoint-schema.md) and `tensorboard/`. Calling `run` again
-with the same `output_dir` resumes from the newest checkpoint: parameters, optimizer state, step and
-the data iterator position.
+with the same `output_dir` resumes from the newest readable checkpoint (see `nvfp4_train.resume`);
+SIGTERM/SIGINT stop it after the current step with a checkpoint (`nvfp4_train.stop`). The state
+lives on the `mesh:` device mesh (`nvfp4_train.sharding`), across processes when the CLI joined a
+multi-process run (`nvfp4_train.distributed`).
 
 Example:
     >>> summary = run(config_from_dict({"output_dir": "runs/x", "train": {"steps": 10}}))  # doctest: +SKIP
