@@ -1,8 +1,8 @@
 """Train a tiny model with nvfp4-train, export it in every layout, load it with real clients.
 
-The JAX model's logits are written into the checkpoint as the `reference` item (and the training
-policy's recipe list plus activation amax as `quant_stats`), the two optional items of the schema
-in docs/export.md, exactly as training is to write them.
+Training writes the `reference` and `quant_stats` items itself (see test_train_checkpoint_items.py);
+this fixture replaces them with the JAX model's logits on sequences of a known English text and an
+amax calibrated on them, so the client comparisons below run on real words and a fixed batch.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def run(tmp_path_factory) -> Path:
     tokens = ids[: 3 * 32].reshape(3, 32)
     step_dir = ckpt.ref.step_dir
     ocp.PyTreeCheckpointer().save(
-        (step_dir / "reference").absolute(), {"tokens": tokens, "logits": _jax_logits(ckpt, tokens)}
+        (step_dir / "reference").absolute(),
+        {"tokens": tokens, "logits": _jax_logits(ckpt, tokens)},
+        force=True,
     )
     from nvfp4_train.config import config_from_dict
     from nvfp4_train.policy import layer_recipe_names
