@@ -47,7 +47,7 @@ def _check_recipe_name(name: str, where: str) -> None:
     try:
         nvfp4_ops.get_recipe(name)
     except (KeyError, ValueError) as err:
-        raise ValueError(f"{where}: unknown recipe {name!r}: {err}") from err
+        raise ValueError(f"{where}: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True)
