@@ -57,21 +57,21 @@ def summarize_window(
     }
 
 
+_ROW_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val_loss", "{:.4f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("grad_norm", "grad_norm", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("skipped_steps", "skipped", "{}"),
+)
+"""(metrics key, label, format) of the fields `format_row` shows, in order."""
+
+
 def format_row(row: Mapping[str, Any]) -> str:
     """A one-line, human-readable view of a metrics row (for plain logs)."""
     parts = [f"step {row['step']}"]
-    if "loss" in row:
-        parts.append(f"loss {row['loss']:.4f}")
-    if "val_loss" in row:
-        parts.append(f"val_loss {row['val_loss']:.4f}")
-    if "lr" in row:
-        parts.append(f"lr {row['lr']:.2e}")
-    if "grad_norm" in row:
-        parts.append(f"grad_norm {row['grad_norm']:.3f}")
-    if "tokens_per_s" in row:
-        parts.append(f"tok/s {row['tokens_per_s']:.0f}")
-    if "skipped_steps" in row:
-        parts.append(f"skipped {row['skipped_steps']}")
+    parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in _ROW_FIELDS if key in row]
     return "  ".join(parts)
 
 
