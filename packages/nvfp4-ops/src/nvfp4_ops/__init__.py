@@ -13,6 +13,7 @@ from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
+from nvfp4_ops.telemetry import STATS, gemm_operand_stats, operand_stats
 
 # NVFP4Array / MXFP4Array must be JAX pytrees even when nvfp4_format was imported before JAX.
 nvfp4_format.register_jax_pytrees()
@@ -22,6 +23,7 @@ __all__ = [
     "FORMATS",
     "FP8Tensor",
     "RECIPES",
+    "STATS",
     "TE_SIGNS",
     "Recipe",
     "TensorQuant",
@@ -30,8 +32,10 @@ __all__ = [
     "dequantize_fp8",
     "dot_general",
     "fake_quantize",
+    "gemm_operand_stats",
     "get_recipe",
     "hadamard_matrix",
     "hadamard_transform",
+    "operand_stats",
     "quantize_fp8",
 ]

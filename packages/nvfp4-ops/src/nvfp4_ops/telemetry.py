@@ -1,0 +1,255 @@
+"""Quantization statistics per GEMM operand: is the quantization of this tensor healthy?
+
+`operand_stats` quantizes one operand exactly as `quantize_operand` does and reports four float32
+scalars (`STATS`); `gemm_operand_stats` does it for every quantized operand of the three GEMMs of
+y = x @ w, prepared as `nvfp4_ops.qdot` prepares them (padding, transposes, RHT, SR keys).
+
+Denominators count NONZERO things only, so zero padding (and exact zeros in the data, e.g. after a
+ReLU) change no statistic:
+- underflow: nonzero blocks (blocks, or 16x16 tiles, holding at least one nonzero element) whose
+  decoded block scale is 0, over all nonzero blocks. FP8 (per-tensor): nonzero elements that
+  decode to 0, over nonzero elements. A zero block is never underflow.
+- saturation: nonzero elements whose pre-clip scaled magnitude (the value the quantizer clips to
+  +-max) exceeds the format's max, over nonzero elements. "Exceeds" means by more than 2^-20
+  relative: the float32 scale arithmetic alone puts a block's (or FP8 tensor's) max up to a few
+  ulps above the max even when the scale is exact, and that is not saturation.
+- rel_error: ||x - dequantize(quantize(x))||_2 / ||x||_2 in float32, 0 for an all-zero x.
+- amax: max|x| of the operand as quantized (after the rotation for the Wgrad roles).
+A fraction with an empty denominator is 0. Non-finite input gives non-finite amax/rel_error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from nvfp4_ops.canonical import pad_to
+from nvfp4_ops.fp8 import FP8_MAX
+from nvfp4_ops.hadamard import hadamard_transform
+from nvfp4_ops.qdot import dgrad_weight_quant, split_keys
+from nvfp4_ops.quantizers import dequantize_operand, quantize_operand
+from nvfp4_ops.recipe import Recipe, TensorQuant
+
+STATS = ("amax", "underflow", "saturation", "rel_error")
+"""The statistics `operand_stats` returns, in this order."""
+
+E2M1_MAX = 6.0
+SATURATION_SLACK = 2.0**-20
+"""Relative excess over the format max below which a value counts as float32 rounding, not clip."""
+
+_FLT_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def _fraction(count: jax.Array, total: jax.Array) -> jax.Array:
+    """count / total as float32; 0 when total is 0."""
+    total = total.astype(jnp.float32)
+    return jnp.where(total > 0, count.astype(jnp.float32) / jnp.maximum(total, 1.0), 0.0)
+
+
+def _rel_error(x32: jax.Array, xq: jax.Array) -> jax.Array:
+    norm = jnp.linalg.norm(x32.reshape(-1))
+    err = jnp.linalg.norm((x32 - xq).reshape(-1))
+    return jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), 0.0).astype(jnp.float32)
+
+
+def _blocked(x: jax.Array, block: int) -> jax.Array:
+    """[..., K] -> [..., K/block, block]."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _saturated(scaled: jax.Array, fmax: float) -> jax.Array:
+    return jnp.abs(scaled) > jnp.float32(fmax * (1.0 + SATURATION_SLACK))
+
+
+def _nvfp4_counts(x32: jax.Array, q, tq: TensorQuant) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(underflowed blocks, saturated elements, nonzero blocks) of an `NVFP4Array` `q` of `x32`.
+
+    The encode scale is the quantizer's (nvfp4_format's `_encode_blocks`), rebuilt from the stored
+    fields: enc = min(1 / (fp32(sb) * s_dec), FLT_MAX), 0 where sb == 0.
+    """
+    sb = q.block_scales.astype(jnp.float32)  # [..., K/16]; 16x16 tiles: repeated over 16 rows
+    decoded = sb * q.global_scale
+    enc = jnp.minimum(1.0 / jnp.where(sb == 0, jnp.inf, decoded), _FLT_MAX)
+    scaled = _blocked(x32, 16) * enc[..., None]
+    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
+    nonzero = jnp.any(_blocked(x32, 16) != 0, axis=-1)  # [..., K/16] per row
+    if tq.is_2d:  # one flag per tile: rows of a tile share the scale
+        tiles = nonzero.reshape(*nonzero.shape[:-2], -1, 16, nonzero.shape[-1])
+        nonzero = jnp.any(tiles, axis=-2)
+        decoded = decoded[..., ::16, :]
+    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
+
+
+def _mxfp4_counts(x32: jax.Array, q) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(underflowed blocks, saturated elements, nonzero blocks) of an `MXFP4Array` `q` of `x32`.
+
+    Scale 2^e with e = byte - 127; the quantizer's pre-clip value is ldexp(x, -e).
+    """
+    exponent = q.scales.astype(jnp.int32) - 127
+    blocks = _blocked(x32, 32)
+    scaled = jnp.ldexp(blocks, -exponent[..., None])
+    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
+    nonzero = jnp.any(blocks != 0, axis=-1)
+    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
+    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
+
+
+def _fp8_counts(x32: jax.Array, q, xq: jax.Array, fmt: str):
+    """(nonzero elements decoding to 0, saturated elements, nonzero elements) for FP8."""
+    nonzero = x32 != 0
+    underflow = jnp.sum(nonzero & (xq == 0), dtype=jnp.int32)
+    scaled = x32 / q.decode_scale
+    saturated = jnp.sum(_saturated(scaled, FP8_MAX[fmt]), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
+
+
+def _aligned(x: jax.Array, tq: TensorQuant) -> jax.Array:
+    """`x` zero-padded so that `quantize_operand` accepts it (last axis, and rows for 16x16)."""
+    multiples = [1] * x.ndim
+    multiples[-1] = tq.block_size
+    if tq.is_2d:
+        multiples[-2] = 16
+    return pad_to(x, tuple(multiples))
+
+
+def operand_stats(
+    x: jax.Array, tq: TensorQuant, key: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Quantization statistics (`STATS`, float32 scalars) of `x` quantized per `tq`.
+
+    Blocks run along the last axis (16x16 tiles over the last two axes), exactly as
+    `quantize_operand(x, tq, key)` quantizes it; an `x` whose last axis (or rows, for 16x16) is
+    not a multiple of the block is zero-padded first, which changes no statistic. See the module
+    docstring for the definitions and denominators. A "bf16" `tq` gives amax and three zeros.
+
+    Args:
+      x: the operand, contraction axis last (at least 2-D for 16x16 tiles).
+      tq: the role's settings (static under `jax.jit`).
+      key: PRNG key, required for stochastic rounding (the same draw as `quantize_operand`).
+
+    Example:
+      >>> s = operand_stats(jnp.ones((2, 16)), TensorQuant("nvfp4", (1, 16)))
+      >>> float(s["rel_error"]), float(s["saturation"])
+      (0.0, 0.0)
+    """
+    if not isinstance(tq, TensorQuant):
+        raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
+    if tq.is_2d and x.ndim < 2:
+        raise ValueError(f"16x16 tiles need x with at least 2 dimensions, got shape {x.shape}")
+    with jax.named_scope(f"nvfp4/telemetry_{tq.fmt}"):
+        x32 = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0.0)
+        if not tq.quantized:
+            zero = jnp.float32(0.0)
+            return {"amax": amax, "underflow": zero, "saturation": zero, "rel_error": zero}
+        x = _aligned(x, tq)
+        x32 = x.astype(jnp.float32)
+        q = quantize_operand(x, tq, key)
+        xq = dequantize_operand(q, tq, jnp.float32)
+        if tq.fmt == "nvfp4":
+            underflow, saturated, blocks = _nvfp4_counts(x32, q, tq)
+            elements = jnp.sum(x32 != 0, dtype=jnp.int32)
+        elif tq.fmt == "mxfp4":
+            underflow, saturated, blocks = _mxfp4_counts(x32, q)
+            elements = jnp.sum(x32 != 0, dtype=jnp.int32)
+        else:
+            underflow, saturated, elements = _fp8_counts(x32, q, xq, tq.fmt)
+            blocks = elements
+        return {
+            "amax": amax,
+            "underflow": _fraction(underflow, blocks),
+            "saturation": _fraction(saturated, elements),
+            "rel_error": _rel_error(x32, xq),
+        }
+
+
+def _check_shapes(x: jax.Array, w: jax.Array, dy: jax.Array) -> None:
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x must be [..., K] with K = w.shape[0] = {w.shape[0]}, got {x.shape}")
+    if dy.shape != (*x.shape[:-1], w.shape[1]):
+        raise ValueError(
+            f"dy must be [..., N] = {(*x.shape[:-1], w.shape[1])} (x's leading dims, "
+            f"N = w.shape[1]), got {dy.shape}"
+        )
+
+
+def _rotated(x: jax.Array, recipe: Recipe) -> jax.Array:
+    if not recipe.wgrad_hadamard:
+        return x
+    return hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
+
+
+def gemm_operands(
+    x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe
+) -> dict[str, tuple[jax.Array, TensorQuant, str]]:
+    """The quantized operands of y = x @ w's three GEMMs as `qdot` quantizes them, by role.
+
+    Each value is (operand [1, rows, contraction], its TensorQuant, the `qdot.KEY_SLOTS` slot of
+    its SR key). Tokens are x's leading dims flattened (M); M, K, N are zero-padded to
+    `recipe.alignment` as `dot_general` does. With `recipe.bf16_fprop` there are no Fprop roles;
+    a 2D/per-tensor W quantized for Dgrad is then "dgrad_w" (drawn, as in `qdot`, with the
+    "fprop_w" key). Roles whose TensorQuant is "bf16" are left out.
+    """
+    _check_shapes(x, w, dy)
+    k, n = w.shape
+    m = math.prod(x.shape[:-1])
+    a = recipe.alignment
+    x_mk = pad_to(x.reshape(1, m, k), (1, a, a))
+    w_kn = pad_to(w.reshape(1, k, n), (1, a, a))
+    dy_mn = pad_to(dy.reshape(1, m, n), (1, a, a))
+    wq, reuse = dgrad_weight_quant(recipe)
+    w_nk = jnp.swapaxes(w_kn, -1, -2)
+    bf16_fprop = getattr(recipe, "bf16_fprop", False)
+    roles: dict[str, tuple[jax.Array, TensorQuant, str]] = {}
+    if not bf16_fprop:
+        roles["fprop_x"] = (x_mk, recipe.fprop_input, "fprop_x")
+        roles["fprop_w"] = (w_nk, recipe.fprop_weight, "fprop_w")
+    roles["dgrad_dy"] = (dy_mn, recipe.grad, "dgrad_dy")
+    if not reuse:
+        roles["dgrad_w"] = (w_kn, wq, "dgrad_w")
+    elif bf16_fprop:
+        roles["dgrad_w"] = (w_nk, wq, "fprop_w")
+    xt = _rotated(jnp.swapaxes(x_mk, -1, -2), recipe)
+    roles["wgrad_x"] = (xt, recipe.fprop_input, "wgrad_x")
+    roles["wgrad_dy"] = (_rotated(jnp.swapaxes(dy_mn, -1, -2), recipe), recipe.grad, "wgrad_dy")
+    return {role: spec for role, spec in roles.items() if spec[1].quantized}
+
+
+def gemm_operand_stats(
+    x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, key: jax.Array | None = None
+) -> dict[str, dict[str, jax.Array]]:
+    """`operand_stats` of every quantized operand of y = x @ w's Fprop, Dgrad and Wgrad GEMMs.
+
+    Roles (named like `qdot.KEY_SLOTS`): "fprop_x" (x along K), "fprop_w" (w^T along K, 16x16
+    tiles if the recipe says so), "dgrad_dy" (dy along N), "dgrad_w" (only when W is
+    re-quantized for Dgrad, i.e. 1D weights), "wgrad_x" and "wgrad_dy" (x^T and dy^T along the
+    tokens, after the random Hadamard transform when `recipe.wgrad_hadamard`), each with its key
+    from `qdot.split_keys(key)`. "bf16" roles are omitted (a "bf16" recipe gives {}).
+
+    Args:
+      x: activations [..., K] (leading dims are the tokens).
+      w: weight [K, N].
+      dy: gradient of y, [..., N] with x's leading dims.
+      recipe: the `Recipe` (static under `jax.jit`).
+      key: the key passed to `dot_general` (required when `recipe.needs_key`).
+
+    Example:
+      >>> x, w, dy = jnp.ones((4, 32)), jnp.ones((32, 16)), jnp.ones((4, 16))
+      >>> sorted(gemm_operand_stats(x, w, dy, nvfp4_ops.get_recipe("nvfp4-no-sr")))
+      ['dgrad_dy', 'fprop_w', 'fprop_x', 'wgrad_dy', 'wgrad_x']
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
+    if key is None and recipe.needs_key:
+        raise ValueError(
+            f"recipe {recipe.name!r} uses stochastic rounding and needs a PRNG key, got key=None"
+        )
+    keys = split_keys(key)
+    operands = gemm_operands(x, w, dy, recipe)
+    return {role: operand_stats(op, tq, keys[slot]) for role, (op, tq, slot) in operands.items()}
