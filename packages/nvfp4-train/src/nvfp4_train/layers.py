@@ -18,10 +18,23 @@ import nvfp4_ops
 
 INPUT_AMAX = "input_amax"
 """Name of the `nnx.Intermediate` each `QuantLinear` call sows: max |input| of that call."""
+OPERAND_X, OPERAND_W = "x", "w"
+"""Names of the `LinearOperand`s a `QuantLinear` in capture mode sows: its GEMM input and kernel."""
+OUTPUT_GRAD = "output"
+"""Name of the zero `nnx.Perturbation` a `QuantLinear` in capture mode adds to its output."""
+
+
+class LinearOperand(nnx.Variable):
+    """A GEMM operand (input or kernel, compute dtype) sown by a `QuantLinear` in capture mode."""
 
 
 def _zero_f32() -> jax.Array:
     return jnp.zeros((), jnp.float32)
+
+
+def _latest(previous, value):
+    del previous
+    return value
 
 
 class QuantLinear(nnx.Module):
@@ -29,6 +42,12 @@ class QuantLinear(nnx.Module):
 
     The kernel is stored [in, out] in float32 (like `nnx.Linear`); the recipe is a static attribute,
     so it is part of the graphdef and not of the parameters.
+
+    Capture mode (`capture_operands = True`, set only on a merged copy inside a telemetry probe,
+    see `nvfp4_train.telemetry`) additionally sows the GEMM input and the kernel as
+    `LinearOperand`s named `OPERAND_X` / `OPERAND_W` and adds the `nnx.Perturbation` named
+    `OUTPUT_GRAD` to the output, so the gradient w.r.t. it is dy. Off (the default) the call traces
+    to exactly the same graph as without it.
 
     Example:
         >>> lin = QuantLinear(64, 32, recipe=nvfp4_ops.get_recipe("bf16"), init_std=0.02,
@@ -51,6 +70,7 @@ class QuantLinear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.float32))
         self.recipe = recipe
         self.dtype = dtype
+        self.capture_operands = False
 
     def __call__(self, x_NxI: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Returns `x @ kernel` in the compute dtype; `key` feeds the recipe's stochastic rounding.
@@ -65,8 +85,12 @@ class QuantLinear(nnx.Module):
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         y = nvfp4_ops.dot_general(
             x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key
-        )
-        return y.astype(self.dtype)
+        ).astype(self.dtype)
+        if self.capture_operands:
+            self.sow(LinearOperand, OPERAND_X, x, reduce_fn=_latest)
+            self.sow(LinearOperand, OPERAND_W, w, reduce_fn=_latest)
+            y = self.perturb(OUTPUT_GRAD, y)
+        return y
 
 
 class RMSNorm(nnx.Module):

@@ -1,0 +1,183 @@
+"""Telemetry: each linear's captured operands (x, w, dy) and the quantization probe on them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nvfp4_ops
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.layers import QuantLinear
+from nvfp4_train.model import linear_paths
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.step import forward_with_amax, init_state, make_train_step
+from nvfp4_train.telemetry import capture_linear_operands
+
+
+@functools.cache
+def tiny_cfg(recipe: str = "nvfp4", dtype: str = "bfloat16", first: int = 0, accum: int = 1):
+    """A 2-layer model; `first` leading layers stay BF16."""
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 2,
+                "num_kv_heads": 1, "mlp_dim": 64, "max_seq_len": 16, "dtype": dtype,
+            },
+            "precision": {"recipe": recipe, "bf16_first_layers": first, "bf16_last_layers": 0},
+            "train": {"steps": 4, "seed": 3, "batch_size": 4, "seq_len": 16,
+                      "grad_accum_steps": accum},
+        }
+    )  # fmt: skip
+
+
+def random_batch(seed: int = 1, batch: int = 4, length: int = 16):
+    tokens = jax.random.randint(jax.random.key(seed), (batch, length + 1), 0, 64, dtype=jnp.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@functools.cache
+def captured(recipe: str = "nvfp4", dtype: str = "bfloat16"):
+    cfg = tiny_cfg(recipe, dtype)
+    graphdef, state = init_state(cfg)
+    capture = jax.jit(capture_linear_operands)
+    return cfg, graphdef, state, capture(graphdef, state.params, random_batch(), jax.random.key(5))
+
+
+def kernel_of(params, path: str) -> jax.Array:
+    node = params
+    for part in path.split("."):
+        node = node[part]
+    return node["kernel"]
+
+
+def test_capture_covers_every_linear_with_shapes_and_dtypes():
+    cfg, _, state, operands = captured()
+    assert sorted(operands) == sorted(linear_paths(cfg.model))  # jit returns dicts key-sorted
+    for path, (x, w, dy) in operands.items():
+        kernel = kernel_of(state.params, path)
+        assert x.dtype == w.dtype == dy.dtype == jnp.bfloat16
+        assert x.shape == (4, 16, kernel.shape[0]) and dy.shape == (4, 16, kernel.shape[1])
+        assert bool(jnp.all(jnp.isfinite(dy.astype(jnp.float32)))) and float(jnp.abs(dy).max()) > 0
+
+
+def test_w_is_the_kernel_in_the_compute_dtype():
+    _, _, state, operands = captured()
+    for path, (_, w, _) in operands.items():
+        np.testing.assert_array_equal(w, kernel_of(state.params, path).astype(jnp.bfloat16))
+
+
+def test_x_is_what_the_gemm_receives_its_amax_matches_the_sown_one():
+    _, graphdef, state, operands = captured()
+    batch = random_batch()
+    _, amax_tree = forward_with_amax(graphdef, state.params, batch["inputs"], jax.random.key(5))
+    for path, (x, _, _) in operands.items():
+        node = amax_tree
+        for part in path.split("."):
+            node = node[part]
+        assert float(jnp.abs(x).max()) == float(node)
+
+
+def test_dy_and_x_give_the_kernel_gradient():
+    """For BF16 linears in float32, d loss / d kernel = x^T dy exactly (up to f32 sum order)."""
+    _, graphdef, state, operands = captured("bf16", "float32")
+    batch = random_batch()
+
+    def mean_loss(params):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["inputs"])
+        return jnp.mean(
+            jax.nn.logsumexp(logits, -1)
+            - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+        )
+
+    grads = jax.grad(mean_loss)(state.params)
+    for path, (x, _, dy) in operands.items():
+        wgrad = jnp.einsum("bli,blo->io", x, dy, precision="highest")
+        np.testing.assert_allclose(wgrad, kernel_of(grads, path), rtol=1e-4, atol=1e-7)
+
+
+def test_dy_matches_a_finite_difference_of_the_loss():
+    """<dy, v> = (loss(y + eps v) - loss(y - eps v)) / 2 eps for the last down projection."""
+    _, graphdef, state, operands = captured("bf16", "float32")
+    batch = random_batch()
+    path = "layers.1.mlp.down"
+    dy = operands[path][2]
+    v = 0.1 * jax.random.normal(jax.random.key(9), dy.shape, jnp.float32)  # ~5% of the residual
+
+    def loss_with_offset(eps):
+        model = nnx.merge(graphdef, state.params)
+        down = model.layers["1"].mlp.down
+        plain = type(down).__call__
+        down.__class__ = type("Shifted", (QuantLinear,), {
+            "__call__": lambda self, x, key=None: plain(self, x, key) + eps * v
+        })  # fmt: skip
+        logits = model(batch["inputs"])
+        nll = (
+            jax.nn.logsumexp(logits, -1)
+            - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+        )
+        return float(jnp.mean(nll))
+
+    eps = 1e-2
+    finite_difference = (loss_with_offset(eps) - loss_with_offset(-eps)) / (2 * eps)
+    np.testing.assert_allclose(float(jnp.vdot(dy, v)), finite_difference, rtol=1e-2)
+
+
+def _plain_call(self, x_NxI, key=None):
+    """`QuantLinear.__call__` as it was before capture mode existed (the reference graph)."""
+    from nvfp4_train.layers import INPUT_AMAX, _zero_f32
+
+    x = x_NxI.astype(self.dtype)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    self.sow(nnx.Intermediate, INPUT_AMAX, amax, reduce_fn=jnp.maximum, init_fn=_zero_f32)
+    w = self.kernel[...].astype(self.dtype)
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    y = nvfp4_ops.dot_general(
+        x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key
+    )
+    return y.astype(self.dtype)
+
+
+def _train_step_jaxpr(cfg) -> str:
+    graphdef, state = init_state(cfg)
+    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
+    return str(jax.make_jaxpr(step)(state, random_batch()))
+
+
+def test_capture_off_leaves_the_train_step_jaxpr_unchanged(monkeypatch):
+    cfg = tiny_cfg("nvfp4", accum=2)
+    graphdef, state = init_state(cfg)
+    capture_linear_operands(graphdef, state.params, random_batch(), jax.random.key(0))
+    with_capture_code = _train_step_jaxpr(cfg)
+    monkeypatch.setattr(QuantLinear, "__call__", _plain_call)
+    assert with_capture_code == _train_step_jaxpr(cfg)
+    merged = nnx.merge(graphdef, state.params)
+    assert not any(
+        m.capture_operands for _, m in nnx.iter_modules(merged) if isinstance(m, QuantLinear)
+    )
+
+
+def test_capture_on_changes_only_the_probe():
+    """Sanity check of the test above: capture mode does add to the traced graph."""
+    cfg = tiny_cfg("nvfp4")
+    graphdef, state = init_state(cfg)
+    batch = random_batch()
+    key = jax.random.key(0)
+    plain = jax.make_jaxpr(lambda p: forward_with_amax(graphdef, p, batch["inputs"], key)[0])
+    probe = jax.make_jaxpr(lambda p: capture_linear_operands(graphdef, p, batch, key))
+    assert len(probe(state.params).eqns) > len(plain(state.params).eqns)
+
+
+@pytest.mark.parametrize("bad", ["inputs", "targets"])
+def test_capture_names_a_missing_batch_key(bad):
+    cfg = tiny_cfg()
+    graphdef, state = init_state(cfg)
+    batch = dict(random_batch())
+    del batch[bad]
+    with pytest.raises(ValueError, match=f"batch must hold 'inputs' and 'targets'.*{bad}"):
+        capture_linear_operands(graphdef, state.params, batch)
