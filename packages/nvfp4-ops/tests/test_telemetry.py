@@ -36,16 +36,20 @@ def _gemm_data(m=32, k=48, n=32, seed=0, lead=()):
 
 
 @pytest.mark.parametrize("tq", ALL_TQ, ids=str)
-def test_rel_error_is_the_round_trip_error_bit_for_bit(tq):
+def test_rel_error_is_the_round_trip_error(tq):
     x = _normal((32, 64), seed=1) * jnp.exp(_normal((32, 64), seed=2))  # heavy-ish tails
     key = jax.random.key(7)
     k = key if tq.rounding == "stochastic" else None
+
     xq = dequantize_operand(quantize_operand(x, tq, k), tq)
     expected = jnp.linalg.norm((x - xq).reshape(-1)) / jnp.linalg.norm(x.reshape(-1))
     got = operand_stats(x, tq, k)
     assert set(got) == set(STATS)
     assert all(v.dtype == jnp.float32 and v.shape == () for v in got.values())
-    np.testing.assert_array_equal(np.asarray(got["rel_error"]), np.asarray(expected))
+    # Not bit-for-bit: under jit XLA fuses the decode into the subtraction (CPU may contract
+    # x - q * s into an FMA) and orders the float32 sum of squares per fusion; differences are
+    # a few ulp (seen: 1 ulp for FP8; bit-for-bit for all formats when both ran op by op).
+    np.testing.assert_allclose(got["rel_error"], expected, rtol=2**-20, atol=0)
     assert float(got["amax"]) == float(jnp.max(jnp.abs(x)))
     assert 0.0 < float(got["rel_error"]) < 0.3
 

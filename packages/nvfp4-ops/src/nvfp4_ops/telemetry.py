@@ -20,6 +20,7 @@ A fraction with an empty denominator is 0. Non-finite input gives non-finite ama
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -116,6 +117,7 @@ def _aligned(x: jax.Array, tq: TensorQuant) -> jax.Array:
     return pad_to(x, tuple(multiples))
 
 
+@functools.partial(jax.jit, static_argnames=("tq",))
 def operand_stats(
     x: jax.Array, tq: TensorQuant, key: jax.Array | None = None
 ) -> dict[str, jax.Array]:
@@ -221,6 +223,7 @@ def gemm_operands(
     return {role: spec for role, spec in roles.items() if spec[1].quantized}
 
 
+@functools.partial(jax.jit, static_argnames=("recipe",))
 def gemm_operand_stats(
     x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe, key: jax.Array | None = None
 ) -> dict[str, dict[str, jax.Array]]:
