@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.backends import resolve_backend
+from nvfp4_ops.backends import backend_capabilities, resolve_backend
 from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
 from nvfp4_ops.qdot import GemmConfig, quantized_dot
 from nvfp4_ops.recipe import Recipe, get_recipe
@@ -38,6 +38,24 @@ def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
     if key.dtype == jnp.uint32 and key.shape == (2,):
         return jax.random.wrap_key_data(key)
     raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
+
+
+def _backend_for(backend: str, recipe: Recipe) -> str:
+    """The concrete backend for `recipe`: TE cannot run a BF16 Fprop with NVFP4 Dgrad/Wgrad.
+
+    TE's `dense` quantizes all three GEMMs, so a `bf16_fprop` recipe raises for an explicit
+    backend="te" and makes "auto" pick "xla" on a GPU where it compiles, else "emulated".
+    """
+    concrete = resolve_backend(backend)
+    if concrete != "te" or not recipe.bf16_fprop:
+        return concrete
+    if backend == "te":
+        raise ValueError(
+            f"backend='te' cannot run recipe {recipe.name!r}: TransformerEngine's NVFP4 dense "
+            "quantizes the Fprop GEMM, bf16_fprop=True needs backend 'xla' or 'emulated'"
+        )
+    on_gpu = jax.default_backend() == "gpu" and backend_capabilities()["xla"][0]
+    return "xla" if on_gpu else "emulated"
 
 
 def dot_general(
@@ -69,7 +87,9 @@ def dot_general(
         is exactly `lax.dot_general` with JAX's own gradients.
       key: PRNG key for stochastic rounding; required when the recipe uses it (a ValueError
         otherwise). Split per GEMM inside (see `nvfp4_ops.qdot`).
-      backend: "auto", "emulated", "xla" or "te" (see `backend_capabilities()`).
+      backend: "auto", "emulated", "xla" or "te" (see `backend_capabilities()`). A recipe with
+        `bf16_fprop=True` cannot run on "te" (a ValueError); "auto" then picks "xla" on a GPU
+        where it compiles, else "emulated".
       out_sharding: as `lax.dot_general` (for a quantized recipe applied as a sharding
         constraint on the output).
 
@@ -90,7 +110,7 @@ def dot_general(
             out_sharding=out_sharding,
         )
     key = _as_key(key, recipe)
-    backend = resolve_backend(backend)
+    backend = _backend_for(backend, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if backend == "te":

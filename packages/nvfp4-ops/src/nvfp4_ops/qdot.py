@@ -6,6 +6,8 @@ Dgrad  dx = Q(dy; grad, along N)        . W as quantized for Dgrad (the Fprop W 
 Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional)
 The residuals saved for the backward pass are the quantized W for Dgrad and the rotated,
 quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x.
+With `recipe.bf16_fprop` the Fprop GEMM is y = x . w on the unquantized operands (FP32
+accumulation) and everything saved for the backward pass is computed exactly as without the flag.
 
 Stochastic-rounding keys: `jax.random.split(key, 6)` gives, in order, the keys for
 [fprop x, fprop w, dgrad dy, dgrad w (re-quantized 1D weights), wgrad x, wgrad dy].
@@ -91,15 +93,27 @@ def _wgrad_input(x_bmk: jax.Array, recipe: Recipe, key: jax.Array | None) -> Any
     return quantize_operand(_rotate(xt, recipe), recipe.fprop_input, key)
 
 
+def _unquantized_fprop(x_bmk: jax.Array, w_bkn: jax.Array) -> jax.Array:
+    """y = x . w in the operands' dtype with FP32 accumulation (the `bf16_fprop` forward)."""
+    with jax.named_scope("nvfp4/fprop_bf16"):
+        dims = (((2,), (1,)), ((0,), (0,)))
+        return jax.lax.dot_general(x_bmk, w_bkn, dims, preferred_element_type=jnp.float32)
+
+
 def _fwd(x, w, key, cfg: GemmConfig):
     recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
     keys = split_keys(key)
-    with jax.named_scope("nvfp4/fprop"):
-        qx = quantize_operand(x, recipe.fprop_input, keys["fprop_x"])
+    wq, reuse = dgrad_weight_quant(recipe)
+    qw = None
+    if reuse or not recipe.bf16_fprop:
         qw = quantize_operand(jnp.swapaxes(w, -1, -2), recipe.fprop_weight, keys["fprop_w"])
-        y = gemm(qx, recipe.fprop_input, qw, recipe.fprop_weight).astype(cfg.out_dtype)
+    if recipe.bf16_fprop:
+        y = _unquantized_fprop(x, w).astype(cfg.out_dtype)
+    else:
+        with jax.named_scope("nvfp4/fprop"):
+            qx = quantize_operand(x, recipe.fprop_input, keys["fprop_x"])
+            y = gemm(qx, recipe.fprop_input, qw, recipe.fprop_weight).astype(cfg.out_dtype)
     with jax.named_scope("nvfp4/save_residuals"):
-        wq, reuse = dgrad_weight_quant(recipe)
         qw_dgrad = qw if reuse else quantize_operand(w, wq, keys["dgrad_w"])
         qxt = _wgrad_input(x, recipe, keys["wgrad_x"])
     return y, (qxt, qw_dgrad, key)

@@ -12,6 +12,10 @@ A linear layer Y = X W runs three GEMMs per training step (spec section 3):
 
 `Recipe` objects are frozen and hashable, so they can be static arguments of `jax.jit` and keys of
 dicts (one per layer).
+
+`Recipe.bf16_fprop` runs the Fprop GEMM on the unquantized operands while Dgrad and Wgrad stay
+quantized (NVFP4 paper, Appendix D: switching the forward to BF16 for the last part of training
+recovers most of the remaining loss gap); `Recipe.with_bf16_fprop()` derives such a recipe.
 """
 
 from __future__ import annotations
@@ -96,6 +100,12 @@ class Recipe:
         token dimension before quantizing them (amax taken after the rotation).
       hadamard_size: size of the Hadamard tiles (a power of two; 16 in the paper).
       name: a label for logs and tables (not used in the math).
+      bf16_fprop: run the Fprop GEMM on the unquantized operands (a plain `dot_general` in the
+        operands' dtype with FP32 accumulation, as the "bf16" preset does) while Dgrad and Wgrad
+        are unchanged: W is still quantized in the forward pass as Dgrad uses it, x^T is still
+        rotated and quantized for Wgrad, with the same stochastic-rounding key slots, so the
+        gradients are bit-identical to those of the same recipe without the flag. Build it with
+        `with_bf16_fprop()`.
 
     Example:
       >>> r = Recipe(grad=TensorQuant("nvfp4", (1, 16), "stochastic"))
@@ -109,8 +119,11 @@ class Recipe:
     wgrad_hadamard: bool = True
     hadamard_size: int = 16
     name: str = "custom"
+    bf16_fprop: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bf16_fprop, bool):
+            raise TypeError(f"Recipe.bf16_fprop must be a bool, got {self.bf16_fprop!r}")
         for role in ("fprop_input", "fprop_weight", "grad"):
             tq = getattr(self, role)
             if not isinstance(tq, TensorQuant):
@@ -149,6 +162,19 @@ class Recipe:
         sizes += [16 if self.fprop_weight.is_2d else 1]
         sizes += [self.hadamard_size if self.wgrad_hadamard else 1]
         return max(sizes)
+
+    def with_bf16_fprop(self) -> Recipe:
+        """This recipe with its Fprop GEMM in BF16 (`bf16_fprop=True`, name "<name>+bf16-fprop").
+
+        A recipe that quantizes nothing, or that already has the flag, is returned unchanged.
+
+        Example:
+          >>> get_recipe("nvfp4").with_bf16_fprop().name
+          'nvfp4+bf16-fprop'
+        """
+        if not self.quantized or self.bf16_fprop:
+            return self
+        return dataclasses.replace(self, bf16_fprop=True, name=f"{self.name}+bf16-fprop")
 
 
 _NV_X = TensorQuant("nvfp4", (1, 16), "rne")
