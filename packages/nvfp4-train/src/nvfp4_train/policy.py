@@ -12,6 +12,10 @@ L=62 (2, 8); L=126 (2, 8).
 
 Overrides: `"REGEX=RECIPE"` strings, matched with `re.fullmatch` against module paths such as
 `layers.3.mlp.down`, applied in order after the rule (the last match wins).
+
+Late BF16 forward (`bf16_forward_from`, the NVFP4 paper's Appendix D): from the switch step on,
+every quantized linear runs `recipe.with_bf16_fprop()` (Fprop GEMM in BF16, Dgrad and Wgrad
+unchanged); see `bf16_forward_start`.
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ class PrecisionConfig:
         loss_scale_growth_interval: Finite steps before the dynamic scale doubles.
         skip_nonfinite: Skip the update (params and optimizer state unchanged) when any gradient
             is NaN/Inf; the count is kept in the optimizer state.
+        bf16_forward_from: When the forward (Fprop) GEMMs of the quantized linears switch to BF16
+            while Dgrad and Wgrad stay quantized (`nvfp4_ops.Recipe.with_bf16_fprop`): a float in
+            (0, 1] is a fraction of `train.steps` (switch step = round_half_up(fraction * steps);
+            the paper switches at ~0.82), an int >= 0 a step number; None (default) never. The
+            training step with `k` completed steps before it runs the BF16 forward when
+            `k >= switch step`, and so does validation of a model with `k` completed steps.
 
     Example:
         >>> PrecisionConfig(recipe="nvfp4", overrides=("layers\\\\.0\\\\..*=bf16",)).recipe
@@ -80,9 +90,11 @@ class PrecisionConfig:
     initial_loss_scale: float = 2.0**15
     loss_scale_growth_interval: int = 2000
     skip_nonfinite: bool = True
+    bf16_forward_from: int | float | None = None
 
     def __post_init__(self):
         _check_recipe_name(self.recipe, "precision.recipe")
+        _check_bf16_forward_from(self.bf16_forward_from)
         for name in ("bf16_first_layers", "bf16_last_layers"):
             value = getattr(self, name)
             if value < -1:
@@ -113,6 +125,41 @@ class PrecisionConfig:
                 f"precision.loss_scale_growth_interval must be >= 1, "
                 f"got {self.loss_scale_growth_interval}"
             )
+
+
+def _check_bf16_forward_from(value: object) -> None:
+    """Raises ValueError unless `value` is None, an int >= 0 or a float in (0, 1]."""
+    expected = "null, a step number (int >= 0) or a fraction of train.steps (float in (0, 1])"
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"precision.bf16_forward_from must be {expected}, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"precision.bf16_forward_from must be {expected}, got the step {value}")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"precision.bf16_forward_from must be {expected}, got the fraction {value}"
+        )
+
+
+def bf16_forward_start(precision_cfg: PrecisionConfig, total_steps: int) -> int | None:
+    """The step count from which the forward GEMMs run in BF16, or None (never).
+
+    Training step `k + 1` (k completed steps before it) uses `layer_recipes(...,
+    bf16_forward=True)` when `k >= bf16_forward_start(...)`. A fraction is rounded half up.
+
+    Example:
+        >>> bf16_forward_start(PrecisionConfig(bf16_forward_from=0.82), 1000)
+        820
+        >>> bf16_forward_start(PrecisionConfig(bf16_forward_from=30), 1000)
+        30
+    """
+    value = precision_cfg.bf16_forward_from
+    if value is None:
+        return None
+    if isinstance(value, float):
+        return _round_half_up(value * total_steps)
+    return value
 
 
 def _round_half_up(x: float) -> int:
@@ -166,9 +213,12 @@ def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -
 
 
 def layer_recipes(
-    model_cfg: ModelConfig, precision_cfg: PrecisionConfig
+    model_cfg: ModelConfig, precision_cfg: PrecisionConfig, *, bf16_forward: bool = False
 ) -> dict[str, nvfp4_ops.Recipe]:
     """Module path -> `nvfp4_ops.Recipe` for every linear of the model.
+
+    With `bf16_forward` every quantized recipe becomes `recipe.with_bf16_fprop()` (the late phase
+    of `PrecisionConfig.bf16_forward_from`); BF16 linears are unchanged.
 
     Example:
         >>> cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
@@ -178,4 +228,7 @@ def layer_recipes(
         True
     """
     names = layer_recipe_names(model_cfg, precision_cfg)
-    return {path: nvfp4_ops.get_recipe(name) for path, name in names.items()}
+    recipes = {path: nvfp4_ops.get_recipe(name) for path, name in names.items()}
+    if bf16_forward:
+        recipes = {path: recipe.with_bf16_fprop() for path, recipe in recipes.items()}
+    return recipes

@@ -36,11 +36,17 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
 
 
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
-    """Raises ConfigError naming every `model.*` / `precision.*` key that differs from `saved`."""
+    """Raises ConfigError naming every `model.*` / `precision.*` key that differs from `saved`.
+
+    A key missing from `saved` (written before the field existed) counts as its default value.
+    """
     new = to_dict(cfg)
     for section in ("model", "precision"):
-        if saved.get(section) != new[section]:
-            old = saved.get(section) or {}
+        old = saved.get(section)
+        if isinstance(old, dict):
+            old = {**to_dict(type(getattr(cfg, section))()), **old}
+        if old != new[section]:
+            old = old or {}
             keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "

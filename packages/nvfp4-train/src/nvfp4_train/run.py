@@ -36,7 +36,7 @@ from nvfp4_train.metrics import (
     summarize_window,
 )
 from nvfp4_train.optim import make_optimizer
-from nvfp4_train.policy import layer_recipe_names
+from nvfp4_train.policy import bf16_forward_start, layer_recipe_names
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
 from nvfp4_train.sharding import (
     batch_sharding,
@@ -51,6 +51,7 @@ from nvfp4_train.step import (
     forward,
     make_eval_step,
     make_train_step,
+    model_graphdef,
 )
 from nvfp4_train.stop import StopRequest, stop_requests
 
@@ -245,17 +246,14 @@ class _Loop:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
-        self.train_step = jax.jit(
-            make_train_step(cfg, graphdef, self.optimizer, mesh),
-            in_shardings=(state_sh, self.batch_sh),
-            out_shardings=(state_sh, replicated),
-            donate_argnums=0,
-        )
-        self.eval_step = jax.jit(
-            make_eval_step(cfg, graphdef, mesh),
-            in_shardings=(state_sh.params, self.batch_sh),
-            out_shardings=replicated,
-        )
+        self.steps = self._jitted_steps(graphdef, mesh, state_sh, replicated)
+        self.eval_step = self.steps[1]
+        # precision.bf16_forward_from: the same steps with BF16 forward GEMMs (jit compiles lazily)
+        self.bf16_forward_from = bf16_forward_start(cfg.precision, cfg.train.steps)
+        self.late_steps = self.steps
+        if self.bf16_forward_from is not None:
+            late = model_graphdef(cfg, bf16_forward=True)
+            self.late_steps = self._jitted_steps(late, mesh, state_sh, replicated)
         self.val_batches = [global_batch(b, self.batch_sh) for b in _eval_batches(cfg, datasets)]
         self.config_dict = to_dict(cfg)
         self.recipes = layer_recipe_names(cfg.model, cfg.precision)
@@ -267,8 +265,45 @@ class _Loop:
             out_shardings=replicated,
         )
 
+    def _jitted_steps(self, graphdef, mesh, state_sh, replicated) -> tuple[Callable, Callable]:
+        """(train step, eval step) of `graphdef`, jitted with the state's shardings."""
+        train_step = jax.jit(
+            make_train_step(self.cfg, graphdef, self.optimizer, mesh),
+            in_shardings=(state_sh, self.batch_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        )
+        eval_step = jax.jit(
+            make_eval_step(self.cfg, graphdef, mesh),
+            in_shardings=(state_sh.params, self.batch_sh),
+            out_shardings=replicated,
+        )
+        return train_step, eval_step
+
+    def _compile(self, state: Any, batch: Any, completed: int) -> tuple[Callable, float]:
+        """(compiled train step, seconds) for the steps after `completed` ones; also selects the
+        eval step. From `precision.bf16_forward_from` on, both run the BF16 forward."""
+        switch = self.bf16_forward_from
+        late = switch is not None and completed >= switch
+        train_step, self.eval_step = self.late_steps if late else self.steps
+        t0 = time.perf_counter()
+        step_fn = train_step.lower(state, batch).compile()
+        seconds = time.perf_counter() - t0
+        self.say(f"compiled the train step in {seconds:.1f}s")
+        if late:
+            what = "now run" if completed == switch else f"run (since step {switch})"
+            self.say(
+                f"step {completed}: forward GEMMs of the quantized linears {what} in BF16 "
+                f"(precision.bf16_forward_from={self.cfg.precision.bf16_forward_from})"
+            )
+        return step_fn, seconds
+
     def save(self, step: int, state: Any, iterator: Any) -> None:
-        """Writes the checkpoint of `step` with its quant_stats and reference items."""
+        """Writes the checkpoint of `step` with its quant_stats and reference items.
+
+        The reference logits always come from the quantized forward of `quant_stats["recipes"]`
+        (what an export reproduces), also after a `precision.bf16_forward_from` switch.
+        """
         amax = {k: float(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
         quantized = [p for p, name in self.recipes.items() if name != "bf16"]
         stats = {"recipes": self.recipes, "activation_amax": {p: amax[p] for p in quantized}}
@@ -321,9 +356,7 @@ class _Loop:
         """
         cfg = self.cfg
         batch = global_batch(next(iterator), self.batch_sh)
-        t0 = time.perf_counter()
-        step_fn = self.train_step.lower(state, batch).compile()
-        self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        step_fn, _ = self._compile(state, batch, start)
         outputs = _Outputs(cfg, run_dir, start, stream)
         window, rows = [], []
         t_window = time.perf_counter()
@@ -334,6 +367,9 @@ class _Loop:
                     batch = global_batch(next(iterator), self.batch_sh)
                 state, step_metrics = step_fn(state, batch)
                 window.append(step_metrics)
+                if step == self.bf16_forward_from:  # later steps run the BF16 forward
+                    step_fn, seconds = self._compile(state, batch, step)
+                    t_window += seconds
                 stopping = _agreed(stop.signal is not None)
                 if stopping or self._is_row_step(step):
                     host = [jax.tree.map(host_value, m) for m in window]  # waits for them
@@ -404,6 +440,9 @@ def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[s
     if restored is None:
         raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
     latest = restored.step
+    switch = bf16_forward_start(cfg.precision, cfg.train.steps)
+    if switch is not None and latest >= switch:  # the forward the run used at this step
+        graphdef = model_graphdef(cfg, bf16_forward=True)
     eval_step = jax.jit(make_eval_step(cfg, graphdef))
     row = {
         "step": latest,

@@ -73,6 +73,18 @@ def init_state(
     return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
 
 
+def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
+    """The model's static structure (recipes included) without materialising parameters.
+
+    With `bf16_forward` its quantized linears run `recipe.with_bf16_fprop()` (the late phase of
+    `precision.bf16_forward_from`); its params tree is the one of `init_state(cfg)`, so the same
+    `TrainState` runs through either graphdef. `cfg.model.vocab_size` must be set.
+    """
+    recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
+    abstract = nnx.eval_shape(lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=0)))
+    return nnx.graphdef(abstract)
+
+
 def _amax_tree(flat: dict[str, jax.Array]) -> dict[str, Any]:
     """{"layers.0.attn.qkv": a} -> {"layers": {"0": {"attn": {"qkv": a}}}}."""
     tree: dict[str, Any] = {}
