@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.config import ConfigError, config_from_dict, to_dict
@@ -19,6 +20,7 @@ from nvfp4_train.model import ModelConfig
 from nvfp4_train.policy import PrecisionConfig, bf16_forward_start, layer_recipes
 from nvfp4_train.resume import check_same_model
 from nvfp4_train.run import evaluate_run, run
+from nvfp4_train.step import init_state, model_graphdef
 
 STEPS, SWITCH = 6, 3
 SECTIONS = {
@@ -76,6 +78,15 @@ def test_late_recipes_switch_only_the_quantized_linears():
         assert late[path].bf16_fprop == recipe.quantized
     assert late["layers.0.attn.qkv"] == nvfp4_ops.get_recipe("bf16")
     assert late["layers.1.mlp.down"].name == "nvfp4+bf16-fprop"
+
+
+def test_late_graphdef_takes_the_same_params_with_bf16_fprop_recipes(tiny_config, tmp_path):
+    cfg = config_from_dict(tiny_config(tmp_path), ["model.vocab_size=64", "train.seed=5"])
+    graphdef, state = init_state(cfg)
+    assert model_graphdef(cfg) == graphdef
+    late = nnx.merge(model_graphdef(cfg, bf16_forward=True), state.params)
+    assert late.layers["0"].mlp.down.recipe == nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop()
+    assert nnx.to_pure_dict(nnx.state(late)).keys() == state.params.keys()
 
 
 def test_checkpoints_written_before_the_field_existed_still_resume(tmp_path):

@@ -81,7 +81,8 @@ def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
     `TrainState` runs through either graphdef. `cfg.model.vocab_size` must be set.
     """
     recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
-    abstract = nnx.eval_shape(lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=0)))
+    seed = cfg.train.seed
+    abstract = nnx.eval_shape(lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=seed)))
     return nnx.graphdef(abstract)
 
 
