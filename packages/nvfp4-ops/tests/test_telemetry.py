@@ -230,8 +230,6 @@ def test_padding_is_not_in_the_denominators():
 
 def test_bf16_fprop_reports_the_reused_weight_as_dgrad_w():
     recipe = get_recipe("nvfp4")
-    if not hasattr(recipe, "with_bf16_fprop"):
-        pytest.skip("Recipe has no bf16_fprop flag in this version")
     data, key = _gemm_data(), jax.random.key(9)
     plain = gemm_operand_stats(*data, recipe, key)
     bf = gemm_operand_stats(*data, recipe.with_bf16_fprop(), key)

@@ -207,7 +207,7 @@ def gemm_operands(
     dy_mn = pad_to(dy.reshape(1, m, n), (1, a, a))
     wq, reuse = dgrad_weight_quant(recipe)
     w_nk = jnp.swapaxes(w_kn, -1, -2)
-    bf16_fprop = getattr(recipe, "bf16_fprop", False)
+    bf16_fprop = recipe.bf16_fprop
     roles: dict[str, tuple[jax.Array, TensorQuant, str]] = {}
     if not bf16_fprop:
         roles["fprop_x"] = (x_mk, recipe.fprop_input, "fprop_x")
