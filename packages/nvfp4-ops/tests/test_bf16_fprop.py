@@ -146,3 +146,10 @@ def test_backend_te_refuses_a_bf16_fprop_recipe():
     recipe = get_recipe("nvfp4").with_bf16_fprop()
     with pytest.raises(ValueError, match="te"):
         nvfp4_ops.dot_general(x, w, MATMUL, recipe=recipe, key=jax.random.key(0), backend="te")
+
+
+def test_te_recipe_refuses_a_bf16_fprop_recipe_before_importing_te():
+    from nvfp4_ops.te_backend import te_recipe
+
+    with pytest.raises(ValueError, match="bf16_fprop=True"):
+        te_recipe(nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop())

@@ -29,6 +29,11 @@ def te_recipe(recipe: Recipe):
         )
     if recipe.hadamard_size != 16:
         raise ValueError(f"TE's RHT is 16-point, got hadamard_size={recipe.hadamard_size}")
+    if recipe.bf16_fprop:
+        raise ValueError(
+            f"TE's dense quantizes the Fprop GEMM; recipe {recipe.name!r} has bf16_fprop=True "
+            "(use backend='emulated' or 'xla')"
+        )
     te_common = importlib.import_module("transformer_engine.common.recipe")
     return te_common.NVFP4BlockScaling(
         disable_rht=not recipe.wgrad_hadamard,
