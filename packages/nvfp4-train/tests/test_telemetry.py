@@ -13,10 +13,15 @@ from flax import nnx
 import nvfp4_ops
 from nvfp4_train.config import config_from_dict
 from nvfp4_train.layers import QuantLinear
-from nvfp4_train.model import linear_paths
+from nvfp4_train.model import LINEAR_NAMES, linear_keys, linear_paths
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.step import forward_with_amax, init_state, make_train_step
-from nvfp4_train.telemetry import capture_linear_operands
+from nvfp4_train.telemetry import (
+    capture_linear_operands,
+    linear_recipes,
+    make_quant_probe,
+    step_key,
+)
 
 
 @functools.cache
@@ -181,3 +186,92 @@ def test_capture_names_a_missing_batch_key(bad):
     del batch[bad]
     with pytest.raises(ValueError, match=f"batch must hold 'inputs' and 'targets'.*{bad}"):
         capture_linear_operands(graphdef, state.params, batch)
+
+
+# ----------------------------------------------------------------------------- the probe
+
+
+@functools.cache
+def probed(accum: int = 1):
+    """(cfg, probe output, operands of the first microbatch) of a model whose layer 0 is BF16;
+    one jit, so both see the same x (eager and jitted bf16 results may differ in the last bit)."""
+    cfg = tiny_cfg("nvfp4", first=1, accum=accum)
+    graphdef, state = init_state(cfg)
+    probe = make_quant_probe(cfg, graphdef)
+
+    def both(params, batch, key):
+        first = {k: v[: v.shape[0] // accum] for k, v in batch.items()}
+        micro_key = jax.random.fold_in(key, 0)
+        operands = capture_linear_operands(graphdef, params, first, micro_key)
+        return probe(params, batch, key), operands
+
+    stats, operands = jax.jit(both)(state.params, random_batch(), step_key(cfg, 3))
+    return cfg, stats, operands
+
+
+def test_probe_covers_only_the_quantized_linears_with_every_role_and_stat():
+    cfg, stats, _ = probed()
+    assert sorted(stats) == sorted(p for p in linear_paths(cfg.model) if p.startswith("layers.1"))
+    roles = {"fprop_x", "fprop_w", "dgrad_dy", "wgrad_x", "wgrad_dy"}  # 2D weights: no dgrad_w
+    for path, by_role in stats.items():
+        assert set(by_role) == roles, path
+        for values in by_role.values():
+            assert set(values) == set(nvfp4_ops.STATS)
+            assert all(bool(jnp.isfinite(v)) for v in values.values())
+            assert 0 < float(values["rel_error"]) < 0.5
+
+
+def test_probe_stats_are_the_operand_stats_of_the_captured_operands():
+    """fprop_x is `operand_stats` of the captured x; dgrad_dy uses the linear's own SR key."""
+    cfg, stats, operands = probed()
+    micro_key = jax.random.fold_in(step_key(cfg, 3), 0)
+    recipe = nvfp4_ops.get_recipe("nvfp4")
+    for path in ("layers.1.attn.qkv", "layers.1.mlp.down"):
+        x, _, dy = operands[path]
+        fprop_x = nvfp4_ops.operand_stats(x, recipe.fprop_input)
+        for stat in nvfp4_ops.STATS:
+            assert float(stats[path]["fprop_x"][stat]) == float(fprop_x[stat]), (path, stat)
+        i, j = int(path.split(".")[1]), LINEAR_NAMES.index(path.split(".", 2)[2])
+        linear_key = jax.random.fold_in(jax.random.fold_in(micro_key, i), j)
+        dy_key = jax.random.split(linear_key, 6)[2]  # qdot.KEY_SLOTS: fprop_x, fprop_w, dgrad_dy
+        dgrad_dy = nvfp4_ops.operand_stats(dy.reshape(1, -1, dy.shape[-1]), recipe.grad, dy_key)
+        for stat in nvfp4_ops.STATS:
+            assert float(stats[path]["dgrad_dy"][stat]) == float(dgrad_dy[stat]), (path, stat)
+        other_key = nvfp4_ops.operand_stats(
+            dy.reshape(1, -1, dy.shape[-1]), recipe.grad, linear_key
+        )
+        assert float(other_key["rel_error"]) != float(dgrad_dy["rel_error"])  # the key matters
+
+
+def test_probe_sees_the_first_microbatch_only():
+    _, stats, operands = probed(accum=2)
+    x = operands["layers.1.mlp.gate_up"][0]
+    assert x.shape[0] == 2
+    assert float(stats["layers.1.mlp.gate_up"]["fprop_x"]["amax"]) == float(jnp.abs(x).max())
+
+
+def test_probe_of_an_all_bf16_model_is_empty():
+    cfg = tiny_cfg("bf16")
+    graphdef, state = init_state(cfg)
+    probe = jax.jit(make_quant_probe(cfg, graphdef))
+    assert probe(state.params, random_batch(), step_key(cfg, 0)) == {}
+
+
+def test_linear_keys_are_the_keys_the_model_folds():
+    cfg = tiny_cfg()
+    key = jax.random.key(11)
+    keys = linear_keys(cfg.model, key)
+    assert list(keys) == linear_paths(cfg.model)
+    expected = jax.random.fold_in(jax.random.fold_in(key, 1), 3)
+    np.testing.assert_array_equal(
+        jax.random.key_data(keys["layers.1.mlp.down"]), jax.random.key_data(expected)
+    )
+    assert set(linear_keys(cfg.model, None).values()) == {None}
+
+
+def test_linear_recipes_lists_quantized_linears_in_model_order():
+    cfg = tiny_cfg("nvfp4", first=1)
+    graphdef, state = init_state(cfg)
+    recipes = linear_recipes(graphdef, state.params)
+    assert list(recipes) == [p for p in linear_paths(cfg.model) if p.startswith("layers.1")]
+    assert all(r == nvfp4_ops.get_recipe("nvfp4") for r in recipes.values())

@@ -4,6 +4,8 @@
     nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
+    nvfp4-train plot --quant RUN_DIR [-o quant.png] [--stat rel_error]
+                                                         quantization telemetry heat maps
 
 A user mistake (bad config, missing file, wrong run directory) prints one `error:` line and exits 2;
 set NVFP4_TRAIN_DEBUG=1 to see the traceback instead.
@@ -43,12 +45,25 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
     evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
 
-    plot = sub.add_parser("plot", help="draw the loss curves of one or more runs on one PNG")
+    plot = sub.add_parser(
+        "plot", help="draw the loss curves of runs on one PNG, or (--quant) a run's telemetry"
+    )
     plot.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
-    plot.add_argument("-o", "--output", type=Path, default=Path("loss.png"), help="PNG path")
+    plot.add_argument(
+        "-o", "--output", type=Path, default=None, help="PNG path (loss.png, or quant.png)"
+    )
     plot.add_argument(
         "--smoothing", type=float, default=0.6, help="EMA weight of the train loss, in [0, 1)"
     )
+    plot.add_argument(
+        "--quant", action="store_true",
+        help="heat maps (linear x step, one panel per GEMM operand) of ONE run's quantization "
+        "telemetry (logging.quant_stats_every > 0)",
+    )  # fmt: skip
+    plot.add_argument(
+        "--stat", default="rel_error",
+        help="the statistic --quant draws: amax, underflow, saturation or rel_error",
+    )  # fmt: skip
     return parser
 
 
@@ -75,9 +90,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from nvfp4_train.plot import plot_runs
+    from nvfp4_train.plot import plot_quant, plot_runs
 
-    path = plot_runs(args.run_dirs, args.output, smoothing=args.smoothing)
+    if args.quant:
+        if len(args.run_dirs) != 1:
+            names = " ".join(str(d) for d in args.run_dirs)
+            raise ValueError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
+        output = args.output or Path("quant.png")
+        path = plot_quant(args.run_dirs[0], output, stat=args.stat)
+    else:
+        path = plot_runs(args.run_dirs, args.output or Path("loss.png"), smoothing=args.smoothing)
     print(f"wrote {path}")
     return 0
 

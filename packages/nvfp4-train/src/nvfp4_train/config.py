@@ -25,6 +25,7 @@ import yaml
 
 from nvfp4_train.data import DataConfig
 from nvfp4_train.distributed import DistributedConfig
+from nvfp4_train.health import QuantHealthConfig
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.policy import PrecisionConfig
@@ -112,12 +113,22 @@ class LoggingConfig:
     Attributes:
         tensorboard: write TensorBoard event files to `<output_dir>/tensorboard`.
         progress: "rich" progress bar, "plain" log lines, or "auto" (rich on a terminal).
+        quant_stats_every: interval in steps of the quantization telemetry (0: off): per
+            quantized linear and GEMM operand, amax, block-scale underflow, saturation and
+            relative error, as `{"step", "quant"}` rows and `quant/...` TensorBoard scalars
+            (see docs/telemetry.md). Each probe costs about one extra forward + backward pass
+            of one microbatch plus the re-quantization of every operand; it never changes
+            the training numerics.
+        quant_health: the limits above which the telemetry warns (see `QuantHealthConfig`).
     """
 
     tensorboard: bool = True
     progress: Literal["auto", "rich", "plain"] = "auto"
+    quant_stats_every: int = 0
+    quant_health: QuantHealthConfig = dataclasses.field(default_factory=QuantHealthConfig)
 
     def __post_init__(self) -> None:
+        _check_min("logging", "quant_stats_every", self.quant_stats_every, 0)
         if self.progress not in ("auto", "rich", "plain"):
             raise ValueError(
                 f"logging.progress must be one of 'auto', 'rich', 'plain', got {self.progress!r}"

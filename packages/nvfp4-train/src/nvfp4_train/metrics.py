@@ -2,7 +2,9 @@
 
 `metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`, `grad_norm`,
 `tokens_per_s`, `step_time_s` and `skipped_steps` (cumulative); rows at evaluation steps also carry
-`val_loss`; `nvfp4-train eval` appends rows with `step`, `val_loss` and `source: "eval"`.
+`val_loss`; `nvfp4-train eval` appends rows with `step`, `val_loss` and `source: "eval"`. With
+`logging.quant_stats_every`, telemetry rows `{"step", "quant": {path: {role: {stat: value}}}}`
+(see `quant_row`) sit between them; readers pick rows by the keys they need.
 
 Example:
     >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
@@ -72,14 +74,78 @@ def format_row(row: Mapping[str, Any]) -> str:
     """A one-line, human-readable view of a metrics row (for plain logs)."""
     parts = [f"step {row['step']}"]
     parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in _ROW_FIELDS if key in row]
+    if "quant" in row:
+        parts.append(summarize_quant(row["quant"]))
     return "  ".join(parts)
 
 
 def _json_safe(value: Any) -> Any:
-    """JSON has no NaN/Infinity: non-finite floats are written as null."""
+    """JSON has no NaN/Infinity: non-finite floats are written as null (also inside mappings)."""
+    if isinstance(value, Mapping):
+        return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+# --------------------------------------------------------------------------- quant telemetry
+
+
+def _host_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def quant_row(step: int, stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The metrics row of one telemetry probe: `{"step": step, "quant": {path: {role: {stat:
+    float}}}}`, from the probe's output (device or host scalars; None stays None)."""
+    quant = {
+        path: {
+            role: {stat: _host_float(v) for stat, v in values.items()}
+            for role, values in roles.items()
+        }
+        for path, roles in stats.items()
+    }
+    return {"step": int(step), "quant": quant}
+
+
+def _worst(quant: Mapping[str, Any], stat: str) -> tuple[float, str, str] | None:
+    """(value, path, role) of the largest `stat`, a non-finite or null one counting as inf;
+    None when no role carries `stat`."""
+    worst = None
+    for path, roles in quant.items():
+        for role, values in roles.items():
+            if stat not in values:
+                continue
+            value = None if values[stat] is None else float(values[stat])
+            rank = value if value is not None and math.isfinite(value) else math.inf
+            if worst is None or rank > worst[0]:
+                worst = (rank, path, role)
+    return worst
+
+
+def _short(value: float) -> str:
+    return f"{value:.3g}" if math.isfinite(value) else "non-finite"
+
+
+def summarize_quant(stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """One short phrase for the progress line: the layer and role with the largest relative
+    error, plus the largest underflow and saturation fractions.
+
+    Example:
+        >>> summarize_quant({"layers.3.mlp.down": {"wgrad_dy": {"rel_error": 0.142,
+        ...                  "underflow": 0.0, "saturation": 0.035}}})
+        'quant worst layers.3.mlp.down wgrad_dy err 0.142  max uf 0  sat 0.035'
+    """
+    worst = _worst(stats, "rel_error")
+    if worst is None:
+        return "quant -"
+    parts = [f"quant worst {worst[1]} {worst[2]} err {_short(worst[0])}"]
+    maxima = [(label, _worst(stats, stat)) for stat, label in (("underflow", "uf"),
+              ("saturation", "sat"))]  # fmt: skip
+    shown = [f"{label} {_short(w[0])}" for label, w in maxima if w is not None]
+    if shown:
+        parts.append("max " + "  ".join(shown))
+    return "  ".join(parts)
 
 
 # --------------------------------------------------------------------------- metrics.jsonl
@@ -140,13 +206,19 @@ class TensorBoard:
         self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
 
     def write(self, row: Mapping[str, Any]) -> None:
-        """Adds every numeric field but `step` as a scalar at `row['step']`."""
+        """Adds every numeric field but `step` as a scalar at `row['step']`; a telemetry row's
+        values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped)."""
         step = int(row["step"])
         for key, value in row.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self._writer.add_scalar(
                     f"train/{key}" if key != "val_loss" else "val/loss", value, step
                 )
+        for path, roles in row.get("quant", {}).items():
+            for role, values in roles.items():
+                for stat, value in values.items():
+                    if value is not None:
+                        self._writer.add_scalar(f"quant/{path}/{role}/{stat}", value, step)
         self._writer.flush()
 
     def close(self) -> None:

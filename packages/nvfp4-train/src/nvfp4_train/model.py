@@ -210,6 +210,15 @@ class Llama(nnx.Module):
         return self.lm_head(x_BxLxD).astype(jnp.float32)
 
 
+def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array | None]:
+    """The stochastic-rounding key each linear gets from `Llama.__call__(..., key=key)`, by path."""
+    keys = {}
+    for i in range(cfg.num_layers):
+        for name, linear_key in zip(LINEAR_NAMES, _layer_keys(key, i), strict=True):
+            keys[f"layers.{i}.{name}"] = linear_key
+    return keys
+
+
 def _layer_keys(key: jax.Array | None, layer: int) -> tuple[jax.Array | None, ...]:
     if key is None:
         return (None,) * len(LINEAR_NAMES)

@@ -2,12 +2,14 @@
 
 `capture_linear_operands` runs the model once in the capture mode of `QuantLinear` (on a merged
 copy, inside the traced function) and returns, per linear, the three tensors its GEMMs quantize:
-the input x, the kernel w and the incoming gradient dy. The train step is not touched: its graph is
-the same whether or not a probe exists.
+the input x, the kernel w and the incoming gradient dy. `make_quant_probe` turns them into
+`nvfp4_ops.gemm_operand_stats` per quantized linear and GEMM operand role. The train step is not
+touched: its graph is the same whether or not a probe exists, and a probe changes no state.
 
 Example:
-    >>> operands = capture_linear_operands(graphdef, state.params, batch)  # doctest: +SKIP
-    >>> x, w, dy = operands["layers.0.mlp.down"]  # doctest: +SKIP
+    >>> probe = jax.jit(make_quant_probe(cfg, graphdef))  # doctest: +SKIP
+    >>> stats = probe(state.params, batch, step_key(cfg, state.step))  # doctest: +SKIP
+    >>> stats["layers.1.mlp.down"]["wgrad_dy"]["rel_error"]  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import nvfp4_ops
 from nvfp4_train.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
-from nvfp4_train.model import LINEAR_NAMES
+from nvfp4_train.model import LINEAR_NAMES, linear_keys
+from nvfp4_train.step import activation_constraint
 
 Batch = dict[str, jax.Array]
 Operands = tuple[jax.Array, jax.Array, jax.Array]
+QuantStats = dict[str, dict[str, dict[str, jax.Array]]]
+"""{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`."""
 
 
 def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
@@ -113,3 +119,67 @@ def _model_order(path: str) -> tuple[int, int]:
     """Sort key of `layers.{i}.{name}`: layer index, then the name's place in `LINEAR_NAMES`."""
     _, index, name = path.split(".", 2)
     return int(index), LINEAR_NAMES.index(name)
+
+
+def step_key(cfg, step: int | jax.Array) -> jax.Array:
+    """The key the train step at `step` (completed steps before it) folds microbatches into."""
+    return jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+
+
+def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
+    """{path: recipe} of the model's quantized linears (recipe not "bf16"), in model order."""
+    model = nnx.merge(graphdef, params)
+    recipes = {
+        ".".join(str(p) for p in path): module.recipe
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, QuantLinear) and module.recipe.quantized
+    }
+    return {path: recipes[path] for path in sorted(recipes, key=_model_order)}
+
+
+def _first_microbatch(batch: Batch, accum: int) -> Batch:
+    """Rows [0, B / accum) of every array: the train step's microbatch 0."""
+    rows = batch["inputs"].shape[0]
+    if rows % accum:
+        raise ValueError(
+            f"batch size must be a multiple of train.grad_accum_steps={accum}, got {rows}"
+        )
+    return {name: x[: rows // accum] for name, x in batch.items()}
+
+
+def make_quant_probe(
+    cfg, graphdef: nnx.GraphDef, mesh=None
+) -> Callable[[Any, Batch, jax.Array], QuantStats]:
+    """Returns the pure `probe(params, batch, key) -> {path: {role: {stat: scalar}}}`; jit it.
+
+    The probe sees exactly what the train step's first microbatch quantizes: the same graphdef
+    (so the same recipes, `bf16_forward` included), rows [0, batch_size / grad_accum_steps) of
+    `batch`, and the key `fold_in(key, 0)` split per linear as `Llama.__call__` splits it, so the
+    stochastic-rounding draws are the train step's. dy is the gradient of that microbatch's mean
+    loss (no loss scale, no 1/grad_accum_steps): amax of the dy roles differs from the train
+    step's by that factor; the other statistics are scale-free. Linears whose recipe is "bf16"
+    are left out.
+
+    Args:
+        cfg: The run config (reads `model.num_layers`, `train.grad_accum_steps`).
+        graphdef: The graphdef the train step runs.
+        mesh: The train step's mesh, to shard tokens and logits the same way (None: no mesh).
+
+    Returns:
+        `probe(params, batch, key)`, with `key` the train step's `step_key(cfg, step)` (step =
+        completed steps, i.e. `state.step` of the state whose `params` are passed).
+    """
+    accum, constrain = cfg.train.grad_accum_steps, activation_constraint(mesh)
+
+    def probe(params, batch: Batch, key: jax.Array) -> QuantStats:
+        micro_key = jax.random.fold_in(key, 0)
+        operands = capture_linear_operands(
+            graphdef, params, _first_microbatch(batch, accum), micro_key, constrain=constrain
+        )
+        keys = linear_keys(cfg.model, micro_key)
+        return {
+            path: nvfp4_ops.gemm_operand_stats(*operands[path], recipe, keys[path])
+            for path, recipe in linear_recipes(graphdef, params).items()
+        }
+
+    return probe
