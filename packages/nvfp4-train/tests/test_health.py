@@ -176,3 +176,26 @@ def test_bad_values_are_named(logging, needle):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"logging": logging})
     assert needle in str(e.value)
+
+
+MEASURED_HEALTHY_MAXIMA = {
+    # role: (underflow, saturation, rel_error), the largest values over every quantized linear
+    # and probe of the tiny (300 steps) and small (600 steps) example runs, docs/telemetry.md
+    "fprop_x": (0.0, 0.0458, 0.109),
+    "wgrad_x": (0.0, 0.0613, 0.107),
+    "fprop_w": (0.0, 0.0044, 0.120),
+    "dgrad_dy": (0.0085, 0.0366, 0.156),
+    "wgrad_dy": (0.0, 0.0376, 0.149),
+}
+
+
+def test_default_limits_pass_the_measured_healthy_runs_and_catch_twice_their_values():
+    tracker = make_health_tracker(QuantHealthConfig(patience=1))
+    keys = ("underflow", "saturation", "rel_error")
+    healthy = {
+        PATH: {r: dict(zip(keys, v, strict=True)) for r, v in MEASURED_HEALTHY_MAXIMA.items()}
+    }
+    assert tracker.update(tracker.init(), healthy)[1] == []
+    doubled = {PATH: {r: {"saturation": 2 * v[1] + 0.02, "rel_error": 2 * v[2]}
+                      for r, v in MEASURED_HEALTHY_MAXIMA.items()}}  # fmt: skip
+    assert len(tracker.update(tracker.init(), doubled)[1]) == 2 * len(MEASURED_HEALTHY_MAXIMA)
