@@ -28,11 +28,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from nvfp4_train.data import make_datasets
+from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import (
     MetricsFile,
     TensorBoard,
     format_row,
     make_progress,
+    quant_row,
     summarize_window,
 )
 from nvfp4_train.optim import make_optimizer
@@ -54,6 +56,7 @@ from nvfp4_train.step import (
     model_graphdef,
 )
 from nvfp4_train.stop import StopRequest, stop_requests
+from nvfp4_train.telemetry import make_quant_probe, step_key
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -153,6 +156,14 @@ class _Outputs:
             self.tensorboard.write(row)
         self.progress.update(row["step"], row)
 
+    def write_quant(self, row: dict[str, Any]) -> None:
+        """A telemetry row: to metrics.jsonl and TensorBoard, its summary to the progress."""
+        if self.metrics is not None:
+            self.metrics.append(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+        self.progress.message(f"[{row['step']}] {format_row(row)}")
+
     def close(self) -> None:
         self.progress.close()
         if self.metrics is not None:
@@ -247,7 +258,9 @@ class _Loop:
         replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
         self.steps = self._jitted_steps(graphdef, mesh, state_sh, replicated)
-        self.eval_step = self.steps[1]
+        _, self.eval_step, self.probe = self.steps
+        self.health = make_health_tracker(cfg.logging.quant_health)
+        self.health_state = self.health.init()
         # precision.bf16_forward_from: the same steps with BF16 forward GEMMs (jit compiles lazily)
         self.bf16_forward_from = bf16_forward_start(cfg.precision, cfg.train.steps)
         self.late_steps = self.steps
@@ -265,8 +278,9 @@ class _Loop:
             out_shardings=replicated,
         )
 
-    def _jitted_steps(self, graphdef, mesh, state_sh, replicated) -> tuple[Callable, Callable]:
-        """(train step, eval step) of `graphdef`, jitted with the state's shardings."""
+    def _jitted_steps(self, graphdef, mesh, state_sh, replicated) -> tuple[Callable, ...]:
+        """(train step, eval step, telemetry probe) of `graphdef`, jitted (compiled when first
+        called) with the state's shardings."""
         train_step = jax.jit(
             make_train_step(self.cfg, graphdef, self.optimizer, mesh),
             in_shardings=(state_sh, self.batch_sh),
@@ -278,14 +292,15 @@ class _Loop:
             in_shardings=(state_sh.params, self.batch_sh),
             out_shardings=replicated,
         )
-        return train_step, eval_step
+        probe = jax.jit(make_quant_probe(self.cfg, graphdef, mesh), out_shardings=replicated)
+        return train_step, eval_step, probe
 
     def _compile(self, state: Any, batch: Any, completed: int) -> tuple[Callable, float]:
         """(compiled train step, seconds) for the steps after `completed` ones; also selects the
-        eval step. From `precision.bf16_forward_from` on, both run the BF16 forward."""
+        eval step and probe. From `precision.bf16_forward_from` on, all run the BF16 forward."""
         switch = self.bf16_forward_from
         late = switch is not None and completed >= switch
-        train_step, self.eval_step = self.late_steps if late else self.steps
+        train_step, self.eval_step, self.probe = self.late_steps if late else self.steps
         t0 = time.perf_counter()
         step_fn = train_step.lower(state, batch).compile()
         seconds = time.perf_counter() - t0
@@ -346,6 +361,26 @@ class _Loop:
             row["val_loss"] = evaluate(self.eval_step, params, self.val_batches)
         return row
 
+    def _probe(self, state: Any, batch: Any, step: int) -> tuple[Any, float]:
+        """(telemetry, seconds it took) of step `step` when due (`logging.quant_stats_every`),
+        else (None, 0): what the step is about to quantize (its params, batch and SR key)."""
+        every = self.cfg.logging.quant_stats_every
+        if not every or step % every:
+            return None, 0.0
+        jax.block_until_ready(state.params)  # the steps before it are step time
+        t0 = time.perf_counter()
+        quant = self.probe(state.params, batch, step_key(self.cfg, step - 1))
+        quant = jax.block_until_ready(quant)  # done before the step donates the params
+        return quant, time.perf_counter() - t0
+
+    def _report_quant(self, outputs: _Outputs, step: int, quant: Any) -> None:
+        """Writes the telemetry row of `step` and prints the health warnings it raises."""
+        row = quant_row(step, jax.tree.map(host_value, quant))
+        outputs.write_quant(row)
+        self.health_state, lines = self.health.update(self.health_state, row["quant"], step=step)
+        for line in lines:
+            outputs.progress.message(line)
+
     def train(
         self, state, iterator, run_dir: Path, start: int, stream: TextIO, stop: StopRequest
     ) -> RunSummary:
@@ -365,9 +400,14 @@ class _Loop:
             for step in range(start + 1, cfg.train.steps + 1):
                 if step > start + 1:
                     batch = global_batch(next(iterator), self.batch_sh)
+                quant, probe_seconds = self._probe(state, batch, step)
+                t_window += probe_seconds  # the probe does not count as step time
                 state, step_metrics = step_fn(state, batch)
+                if quant is not None:
+                    self._report_quant(outputs, step, quant)
                 window.append(step_metrics)
                 if step == self.bf16_forward_from:  # later steps run the BF16 forward
+                    jax.block_until_ready(state)  # so that only the compile is left out
                     step_fn, seconds = self._compile(state, batch, step)
                     t_window += seconds
                 stopping = _agreed(stop.signal is not None)
