@@ -41,7 +41,7 @@ def test_telemetry_rows_warnings_and_unchanged_training(tiny_config, tmp_path):
         for roles in row["quant"].values():
             assert set(roles) == ROLES
             for stats in roles.values():
-                assert 0 < stats["amax"] and 0.0 <= stats["underflow"] <= 1.0
+                assert stats["amax"] > 0 and 0.0 <= stats["underflow"] <= 1.0
                 assert 0.0 < stats["rel_error"] < 0.5
     assert "quant worst layers.0." in output
     # patience 2: one warning per (layer, activation role) once it is out of range twice
