@@ -25,9 +25,7 @@ def _train(tiny_config, run_dir, **logging):
 
 def test_telemetry_rows_warnings_and_unchanged_training(tiny_config, tmp_path):
     strict = {"activation": {"rel_error": 0.01}, "patience": 2}  # NVFP4's ~0.1 breaks it
-    rows, output = _train(
-        tiny_config, tmp_path / "on", quant_stats_every=1, quant_health=strict
-    )
+    rows, output = _train(tiny_config, tmp_path / "on", quant_stats_every=1, quant_health=strict)
     plain_rows, _ = _train(tiny_config, tmp_path / "off")
 
     losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
