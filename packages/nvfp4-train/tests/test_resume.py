@@ -48,16 +48,22 @@ def _start(config: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _signal_at(process: subprocess.Popen, run_dir: Path, step: int, sig: int) -> int:
-    """Sends `sig` once the run has logged `step`; returns the last logged step at that moment."""
+def _signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) -> dict[str, int]:
+    """`targets`: {name: (process, run_dir, step, sig)}. Sends each process its signal as soon as
+    its run has logged its step (watching all at once, so a slow start of one run cannot let
+    another run to its end); returns {name: the last logged step at that moment}."""
+    seen: dict[str, int] = {}
     deadline = time.monotonic() + 600
-    while _last_step(run_dir) < step:
-        if process.poll() is not None or time.monotonic() > deadline:
-            out, err = process.communicate()
-            raise AssertionError(f"run ended before step {step}: {out[-1500:]}{err[-3000:]}")
+    while len(seen) < len(targets):
+        for name, (process, run_dir, step, sig) in targets.items():
+            last = _last_step(run_dir) if name not in seen else None
+            if last is not None and last >= step:
+                process.send_signal(sig)
+                seen[name] = last
+            elif name not in seen and (process.poll() is not None or time.monotonic() > deadline):
+                out, err = process.communicate()
+                raise AssertionError(f"{name} ended before step {step}: {out[-1500:]}{err[-3000:]}")
         time.sleep(0.005)
-    seen = _last_step(run_dir)
-    process.send_signal(sig)
     return seen
 
 
@@ -86,10 +92,11 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
         configs[name].write_text(yaml.safe_dump(tiny_config(root / name, **SECTIONS)))
     procs = {name: _start(path) for name, path in configs.items()}
     try:
-        killed_at = _signal_at(procs["killed"], root / "killed", kill_step, signal.SIGKILL)
-        terminated_at = _signal_at(
-            procs["terminated"], root / "terminated", term_step, signal.SIGTERM
-        )
+        seen = _signal_each({
+            "killed": (procs["killed"], root / "killed", kill_step, signal.SIGKILL),
+            "terminated": (procs["terminated"], root / "terminated", term_step, signal.SIGTERM),
+        })  # fmt: skip
+        killed_at, terminated_at = seen["killed"], seen["terminated"]
         outs = {name: p.communicate(timeout=900) for name, p in procs.items()}
     finally:
         for p in procs.values():
