@@ -205,3 +205,20 @@ def test_evaluate_run_uses_the_forward_of_the_checkpoint_step(schedule_runs, tmp
     assert row["step"] == SWITCH
     assert row["val_loss"] == pytest.approx(_val_losses(run_dir)[SWITCH], rel=1e-6)
     assert row["val_loss"] != pytest.approx(_val_losses(schedule_runs.plain)[SWITCH], rel=1e-6)
+
+
+def test_evaluate_run_forward_choice_overrides_the_schedule(schedule_runs, tmp_path):
+    run_dir = tmp_path / "at-switch"
+    shutil.copytree(schedule_runs.switched, run_dir)
+    for later in range(SWITCH + 1, STEPS + 1):
+        shutil.rmtree(run_dir / "checkpoints" / str(later))
+    quantized = evaluate_run(run_dir, forward="quantized", stream=io.StringIO())
+    bf16 = evaluate_run(run_dir, forward="bf16", stream=io.StringIO())
+    # params at the switch are the plain run's: its quantized validation, and the switched one's
+    assert quantized["val_loss"] == pytest.approx(
+        _val_losses(schedule_runs.plain)[SWITCH], rel=1e-6
+    )
+    assert bf16["val_loss"] == pytest.approx(_val_losses(run_dir)[SWITCH], rel=1e-6)
+    assert (quantized["forward"], bf16["forward"]) == ("quantized", "bf16")
+    with pytest.raises(ValueError, match="forward must be one of"):
+        evaluate_run(run_dir, forward="fp4", stream=io.StringIO())

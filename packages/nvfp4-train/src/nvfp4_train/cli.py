@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
     evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
+    evaluate.add_argument(
+        "--forward", choices=("run", "quantized", "bf16"), default="run",
+        help="run: the forward the run trained with at that step (default); quantized: the "
+        "recipes' quantized forward; bf16: the quantized linears' forward GEMMs in BF16",
+    )  # fmt: skip
 
     plot = sub.add_parser(
         "plot", help="draw the loss curves of runs on one PNG, or (--quant) a run's telemetry"
@@ -85,7 +90,7 @@ def _show_config(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from nvfp4_train.run import evaluate_run
 
-    evaluate_run(args.run_dir)
+    evaluate_run(args.run_dir, forward=args.forward)
     return 0
 
 

@@ -451,14 +451,31 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Confi
     return load_config(path, overrides)
 
 
-def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[str, Any]:
+EVAL_FORWARDS = ("run", "quantized", "bf16")
+
+
+def evaluate_run(
+    run_dir: str | Path, *, forward: str = "run", stream: TextIO | None = None
+) -> dict[str, Any]:
     """Evaluates the newest checkpoint of `run_dir` on its validation split.
 
-    Prints the result and appends a row `{"step", "val_loss", "source": "eval"}` to `metrics.jsonl`.
+    Prints the result and appends a row `{"step", "val_loss", "source": "eval"}` (plus
+    `"forward"` unless it is "run") to `metrics.jsonl`.
+
+    Args:
+        run_dir: a run directory.
+        forward: "run": the forward the run trained with at that step (the BF16 forward from
+            `precision.bf16_forward_from` on); "quantized": the recipes' quantized forward;
+            "bf16": the quantized linears' forward GEMMs in BF16 (their backward is irrelevant
+            here), e.g. to see what a late switch to BF16 owes to BF16 evaluation alone.
+        stream: where the result line goes (default: stdout).
 
     Raises:
         ConfigError: `run_dir` is not a run directory, has no checkpoint, or no validation data.
+        ValueError: `forward` is not one of `EVAL_FORWARDS`.
     """
+    if forward not in EVAL_FORWARDS:
+        raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
     stream = sys.stdout if stream is None else stream
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
@@ -481,7 +498,8 @@ def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[s
         raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
     latest = restored.step
     switch = bf16_forward_start(cfg.precision, cfg.train.steps)
-    if switch is not None and latest >= switch:  # the forward the run used at this step
+    late = switch is not None and latest >= switch  # the forward the run used at this step
+    if forward == "bf16" or (forward == "run" and late):
         graphdef = model_graphdef(cfg, bf16_forward=True)
     eval_step = jax.jit(make_eval_step(cfg, graphdef))
     row = {
@@ -489,6 +507,8 @@ def evaluate_run(run_dir: str | Path, *, stream: TextIO | None = None) -> dict[s
         "val_loss": evaluate(eval_step, restored.state.params, batches),
         "source": "eval",
     }
+    if forward != "run":
+        row["forward"] = forward
     metrics = MetricsFile(run_dir / METRICS_FILE)
     metrics.append(row)
     metrics.close()
