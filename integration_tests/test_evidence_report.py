@@ -95,6 +95,10 @@ def test_a_tiny_study_trains_pairs_and_writes_the_outputs(tmp_path):
     for key in ("final_val_loss", "seeds", "rel_gap_to_bf16", "rel_gap_std"):
         assert all(key in r for r in rows)
     assert rows[1]["rel_gap_to_bf16"] != 0.0 and math.isfinite(rows[1]["final_val_loss"])
+    # the quantized forward is the run's own: the cross-evaluation reproduces its validation loss
+    assert rows[1]["val_loss_quantized_forward"] == pytest.approx(rows[1]["final_val_loss"], 1e-6)
+    assert rows[1]["val_loss_bf16_forward"] != rows[1]["val_loss_quantized_forward"]
+    assert "val_loss_bf16_forward" not in rows[0]
     assert (tmp_path / "docs" / "evidence" / "loss-curves.png").stat().st_size > 10_000
     # Rerunning trains nothing new (finished runs are skipped) and gives the same table.
     assert run_evidence.main(argv) == 0

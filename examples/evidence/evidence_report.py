@@ -127,6 +127,23 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], descriptions: Mapping[str,
     return "\n".join(lines) + "\n"
 
 
+def cross_eval_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The final validation loss of the rows evaluated with both forwards (empty if none)."""
+    rows = [r for r in rows if "val_loss_bf16_forward" in r]
+    if not rows:
+        return ""
+    lines = [
+        "| variant | seeds | val loss, quantized forward | val loss, BF16 forward |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r['name']}` | {len(r['seeds'])} | {r['val_loss_quantized_forward']:.4f} | "
+            f"{r['val_loss_bf16_forward']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot_curves(
     curves: Mapping[str, Mapping[int, Mapping[int, float]]], output: Path, title: str
 ) -> Path:
@@ -145,7 +162,12 @@ def plot_curves(
         mean = [np.mean([by_seed[s][t] for s in by_seed]) for t in steps]
         style = {"lw": 2.5, "color": "k"} if variant == BASELINE else {"lw": 1.5}
         ax_loss.plot(
-            steps, mean, marker="o", ms=3, label=f"{variant} ({len(by_seed)} seeds)", **style
+            steps,
+            mean,
+            marker="o",
+            ms=3,
+            label=f"{variant} ({len(by_seed)} seed{'s' * (len(by_seed) > 1)})",
+            **style,
         )
         paired = [s for s in by_seed if s in baseline]
         if variant == BASELINE or not paired:

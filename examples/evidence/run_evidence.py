@@ -6,10 +6,11 @@ seed see the same batches) and `output_dir=<runs-dir>/<variant>-s<seed>`. Finish
 skipped, interrupted ones resume, so rerunning the command only adds what is missing. At the end the
 script writes `docs/evidence.json` (one row per variant), `docs/evidence/table.md` and
 `docs/evidence/loss-curves.png`. The full-recipe runs log quantization telemetry every
-`--quant-stats-every` steps (it only observes: the train step is the same); the heat map of the
-first of them that has it becomes `docs/evidence/quant-heatmap.png`.
+`--quant-stats-every` steps (it only observes: the train step is the same); the heat maps of the
+first of them that has it become `docs/evidence/quant-heatmap.png` (relative error) and
+`docs/evidence/quant-underflow.png`.
 
-    python examples/evidence/run_evidence.py                 # CPU size, ~45 min on 2 cores
+    python examples/evidence/run_evidence.py                 # CPU size: 23 runs, ~1.5 h on 2 cores
     python examples/evidence/run_evidence.py --jobs 1 --seeds 5 --ablation-seeds 3
     python examples/evidence/run_evidence.py --scale gpu --runs-dir runs/evidence-gpu
     python examples/evidence/run_evidence.py --report-only   # rebuild the outputs from the runs
@@ -32,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evidence_report import (  # noqa: E402
     BASELINE,
     collect,
+    cross_eval_table,
     finished_curve,
     markdown_table,
     plot_curves,
+    read_rows,
     run_dir_name,
 )
 
@@ -193,6 +196,39 @@ def train_all(args: argparse.Namespace, steps: int) -> None:
             )
 
 
+CROSS_EVAL = ("nvfp4", "nvfp4-late-bf16")
+"""Variants whose final checkpoints are also evaluated with the other forward (`--forward`)."""
+
+
+def cross_eval(args: argparse.Namespace, variant: str, seed: int, steps: int) -> dict[str, float]:
+    """{"quantized": val loss, "bf16": val loss} of the final checkpoint of one run, each forward
+    evaluated by `nvfp4-train eval --forward` once (its rows in metrics.jsonl are reused)."""
+    run_dir = args.runs_dir / run_dir_name(variant, seed)
+    found = {}
+    for forward in ("quantized", "bf16"):
+        for _ in range(2):
+            rows = read_rows(run_dir / "metrics.jsonl")
+            hits = [r for r in rows if r.get("forward") == forward and r.get("step") == steps]
+            if hits:
+                found[forward] = float(hits[-1]["val_loss"])
+                break
+            cmd = [sys.executable, "-m", "nvfp4_train", "eval", str(run_dir), "--forward", forward]
+            subprocess.run(cmd, capture_output=True, check=True)
+    return found
+
+
+def add_cross_eval(args: argparse.Namespace, rows: list[dict], steps: int) -> None:
+    """Adds `val_loss_quantized_forward` / `val_loss_bf16_forward` (means over seeds) to the
+    rows of `CROSS_EVAL`: what the late switch owes to evaluating in BF16."""
+    for row in rows:
+        if row["name"] not in CROSS_EVAL:
+            continue
+        evals = [cross_eval(args, row["name"], seed, steps) for seed in row["seeds"]]
+        for forward in ("quantized", "bf16"):
+            values = [e[forward] for e in evals]
+            row[f"val_loss_{forward}_forward"] = sum(values) / len(values)
+
+
 def write_outputs(args: argparse.Namespace, steps: int) -> list[dict]:
     """Writes evidence.json, evidence/table.md, evidence/loss-curves.png (and the heat map)."""
     decay = yaml.safe_load(args.config.read_text()).get("optimizer", {}).get("decay_fraction", 0)
@@ -204,8 +240,10 @@ def write_outputs(args: argparse.Namespace, steps: int) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     for row in rows:
         row["description"] = VARIANTS[row["name"]][0]
+    add_cross_eval(args, rows, steps)
     (args.out_dir / "evidence.json").write_text(json.dumps(rows, indent=1) + "\n")
     table = markdown_table(rows, {v: d for v, (d, _) in VARIANTS.items()})
+    table += "\n" + cross_eval_table(rows)
     (out / "table.md").write_text(table)
     print(table)
     title = f"evidence run ({args.scale}, {steps} steps); gap = paired (variant - bf16) / bf16"
@@ -213,13 +251,15 @@ def write_outputs(args: argparse.Namespace, steps: int) -> list[dict]:
     for seed in seeds_of(args).get("nvfp4", []):
         metrics = args.runs_dir / run_dir_name("nvfp4", seed) / "metrics.jsonl"
         if metrics.is_file() and '"quant"' in metrics.read_text():
-            _plot_heatmap(metrics.parent, out / "quant-heatmap.png")
+            _plot_heatmap(metrics.parent, out / "quant-heatmap.png", "rel_error")
+            _plot_heatmap(metrics.parent, out / "quant-underflow.png", "underflow")
             break
     return rows
 
 
-def _plot_heatmap(run_dir: Path, output: Path) -> None:
+def _plot_heatmap(run_dir: Path, output: Path, stat: str) -> None:
     cmd = [sys.executable, "-m", "nvfp4_train", "plot", "--quant", str(run_dir), "-o", str(output)]
+    cmd += ["--stat", stat]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     print(result.stdout.strip() or result.stderr.strip())
 
