@@ -66,15 +66,24 @@ def dgrad(dy, w, key, *, stochastic=True):
 
 
 def wgrad(x, dy, key, *, rht=True, stochastic=True):
-    """dW[1, K, N] from x^T and dy^T rotated along the tokens, quantized 1x16 along them."""
+    """dW[1, K, N] from x^T and dy^T rotated along the tokens, quantized 1x16 along them.
+
+    As in TransformerEngine, a BF16/FP16 operand's rotation is rounded back to its dtype before
+    it is quantized; FP32 operands rotate in FP32.
+    """
     ks = jax.random.split(key, 6)
-    xt, dyt = x.T[None].astype(jnp.float32), dy.T[None].astype(jnp.float32)
+    xt, dyt = x.T[None], dy.T[None]
     if rht:
-        xt, dyt = rotate(xt), rotate(dyt)
+        xt, dyt = rotate(xt).astype(_rotated_dtype(x)), rotate(dyt).astype(_rotated_dtype(dy))
+    xt, dyt = xt.astype(jnp.float32), dyt.astype(jnp.float32)
     u = uniform8(ks[5], dyt.shape) if stochastic else None
     qxt = nf.quantize(xt, (1, 16))
     qdyt = nf.quantize(dyt, (1, 16), rounding="stochastic" if stochastic else "rne", uniform=u)
     return dot_last(dq(qxt), dq(qdyt)), qxt, qdyt, xt, dyt
+
+
+def _rotated_dtype(a: jax.Array):
+    return a.dtype if a.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
 def element_error_bound(q, *, stochastic: bool = False) -> jax.Array:

@@ -3,7 +3,8 @@
 x: [B, M, K] activations, w: [B, K, N] weight, M, K, N multiples of `recipe.alignment`.
 Fprop  y  = Q(x; fprop_input, along K)  . Q(w^T; fprop_weight, along K)
 Dgrad  dx = Q(dy; grad, along N)        . W as quantized for Dgrad (the Fprop W if 2D/per-tensor)
-Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional)
+Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional;
+       H x^T is rounded to x's dtype when that is BF16/FP16, as TransformerEngine does)
 The residuals saved for the backward pass are the quantized W for Dgrad and the rotated,
 quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x.
 With `recipe.bf16_fprop` the Fprop GEMM is y = x . w on the unquantized operands (FP32
@@ -79,10 +80,21 @@ def computed_once(x: jax.Array) -> jax.Array:
     return jax.lax.while_loop(lambda c: c[1] < trips, body, (x, jnp.int32(0)))[0]
 
 
-def _rotate(x: jax.Array, recipe: Recipe) -> jax.Array:
+def wgrad_rotation(x: jax.Array, recipe: Recipe) -> jax.Array:
+    """A Wgrad operand [..., tokens] rotated by the recipe's RHT along the tokens (or unchanged).
+
+    The rotation is computed in float32 and then rounded to `x`'s dtype when that is narrower
+    (BF16, FP16), before any amax is taken: TransformerEngine's reference quantizer rotates in
+    the operand's dtype and its fused kernel (BF16 input only) rounds the same way, so the Wgrad
+    codes and scales are TE's bit for bit. A float32 operand stays float32 (TE's kernels have no
+    FP32 RHT; its reference then rotates in FP32 too, up to summation order).
+    """
     if not recipe.wgrad_hadamard:
         return x
-    return hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
+    rotated = hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
+    if jnp.finfo(x.dtype).bits < 32:
+        return rotated.astype(x.dtype)
+    return rotated
 
 
 def _wgrad_input(x_bmk: jax.Array, recipe: Recipe, key: jax.Array | None) -> Any:
@@ -90,7 +102,7 @@ def _wgrad_input(x_bmk: jax.Array, recipe: Recipe, key: jax.Array | None) -> Any
     xt = jnp.swapaxes(x_bmk, -1, -2)
     if not recipe.fprop_input.quantized:
         return xt
-    return quantize_operand(_rotate(xt, recipe), recipe.fprop_input, key)
+    return quantize_operand(wgrad_rotation(xt, recipe), recipe.fprop_input, key)
 
 
 def _unquantized_fprop(x_bmk: jax.Array, w_bkn: jax.Array) -> jax.Array:
@@ -129,12 +141,12 @@ def _bwd(cfg: GemmConfig, residuals, dy):
         qdy = quantize_operand(dy, recipe.grad, keys["dgrad_dy"])
         dx = gemm(qdy, recipe.grad, qw_dgrad, wq, b_transposed=reuse)
     with jax.named_scope("nvfp4/wgrad"):
-        dyt = _rotate(jnp.swapaxes(dy, -1, -2), recipe)
+        dyt = wgrad_rotation(jnp.swapaxes(dy, -1, -2), recipe)
         if recipe.grad.quantized:
             dyt = quantize_operand(dyt, recipe.grad, keys["wgrad_dy"])
         xt = qxt
         if not recipe.fprop_input.quantized:
-            xt = _rotate(qxt, recipe)
+            xt = wgrad_rotation(qxt, recipe)
         dw = gemm(xt, recipe.fprop_input, dyt, recipe.grad)
     return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None
 

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 
 from nvfp4_ops.canonical import pad_to
 from nvfp4_ops.fp8 import FP8_MAX
-from nvfp4_ops.hadamard import hadamard_transform
-from nvfp4_ops.qdot import dgrad_weight_quant, split_keys
+from nvfp4_ops.qdot import dgrad_weight_quant, split_keys, wgrad_rotation
 from nvfp4_ops.quantizers import dequantize_operand, quantize_operand
 from nvfp4_ops.recipe import Recipe, TensorQuant
 
@@ -181,12 +180,6 @@ def _check_shapes(x: jax.Array, w: jax.Array, dy: jax.Array) -> None:
         )
 
 
-def _rotated(x: jax.Array, recipe: Recipe) -> jax.Array:
-    if not recipe.wgrad_hadamard:
-        return x
-    return hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
-
-
 def gemm_operands(
     x: jax.Array, w: jax.Array, dy: jax.Array, recipe: Recipe
 ) -> dict[str, tuple[jax.Array, TensorQuant, str]]:
@@ -217,9 +210,9 @@ def gemm_operands(
         roles["dgrad_w"] = (w_kn, wq, "dgrad_w")
     elif bf16_fprop:
         roles["dgrad_w"] = (w_nk, wq, "fprop_w")
-    xt = _rotated(jnp.swapaxes(x_mk, -1, -2), recipe)
+    xt = wgrad_rotation(jnp.swapaxes(x_mk, -1, -2), recipe)
     roles["wgrad_x"] = (xt, recipe.fprop_input, "wgrad_x")
-    roles["wgrad_dy"] = (_rotated(jnp.swapaxes(dy_mn, -1, -2), recipe), recipe.grad, "wgrad_dy")
+    roles["wgrad_dy"] = (wgrad_rotation(jnp.swapaxes(dy_mn, -1, -2), recipe), recipe.grad, "wgrad_dy")
     return {role: spec for role, spec in roles.items() if spec[1].quantized}
 
 
