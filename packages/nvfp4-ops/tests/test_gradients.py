@@ -75,12 +75,23 @@ def test_nvfp4_gradients_match_the_plain_reference_bit_exactly():
     assert not np.array_equal(np.asarray(dw3), np.asarray(dw))
 
 
-def test_bf16_operands_round_the_wgrad_rotation_like_transformer_engine():
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_bf16_operands_round_the_wgrad_rotation_like_transformer_engine(out_dtype):
     # A BF16 operand's RHT is rounded back to BF16 before its amax and quantization (TE's
     # reference and kernel do so); rotating in FP32 instead changes ~1% of the Wgrad codes.
+    # With an FP32 output (nvfp4-train's QuantLinear), dY still enters in the compute dtype.
     x, w, dy = (a.astype(jnp.bfloat16) for a in _data(m=64, k=48, n=32, seed=3))
     key = jax.random.key(5)
-    _, _, dw = _vjp("nvfp4")(x, w, dy, key)
+
+    @jax.jit
+    def grads(x, w, dy):
+        f = lambda a, b: nvfp4_ops.dot_general(  # noqa: E731
+            a, b, MATMUL, preferred_element_type=out_dtype, recipe="nvfp4", key=key
+        )
+        y, pullback = jax.vjp(f, x, w)
+        return pullback(dy.astype(y.dtype))
+
+    _, dw = grads(x, w, dy)
     dw_ref, qxt, _, _, _ = jax.jit(lambda x, dy, key: ref.wgrad(x, dy, key))(x, dy, key)
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_ref[0].astype(jnp.bfloat16)))
     f32_rotation = nf.quantize(ref.rotate(x.T[None]), (1, 16))

@@ -5,7 +5,9 @@ Fprop  y  = Q(x; fprop_input, along K)  . Q(w^T; fprop_weight, along K)
 Dgrad  dx = Q(dy; grad, along N)        . W as quantized for Dgrad (the Fprop W if 2D/per-tensor)
 Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional;
        H x^T is rounded to x's dtype when that is BF16/FP16, as TransformerEngine does)
-The residuals saved for the backward pass are the quantized W for Dgrad and the rotated,
+dY enters both backward GEMMs in the compute dtype (the promoted dtype of x and w), as with
+TransformerEngine, whose dense layer returns and receives the input dtype. The residuals saved for
+the backward pass are the quantized W for Dgrad and the rotated,
 quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x.
 With `recipe.bf16_fprop` the Fprop GEMM is y = x . w on the unquantized operands (FP32
 accumulation) and everything saved for the backward pass is computed exactly as without the flag.
@@ -41,6 +43,11 @@ class GemmConfig:
     out_dtype: np.dtype
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The promoted dtype of lhs and rhs: the dtype dY enters the backward GEMMs in."""
+        return np.dtype(jnp.result_type(self.lhs_dtype, self.rhs_dtype))
 
 
 def split_keys(key: jax.Array | None) -> dict[str, jax.Array | None]:
@@ -136,7 +143,7 @@ def _bwd(cfg: GemmConfig, residuals, dy):
     qxt, qw_dgrad, key = residuals
     keys = split_keys(key)
     wq, reuse = dgrad_weight_quant(recipe)
-    dy = computed_once(dy)
+    dy = computed_once(dy.astype(cfg.compute_dtype))
     with jax.named_scope("nvfp4/dgrad"):
         qdy = quantize_operand(dy, recipe.grad, keys["dgrad_dy"])
         dx = gemm(qdy, recipe.grad, qw_dgrad, wq, b_transposed=reuse)
