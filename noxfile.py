@@ -18,6 +18,7 @@ nox.options.sessions = [
     "format",
     "format_jax",
     "ops",
+    "te_conformance",
     "train",
     "export",
     "integration",
@@ -64,6 +65,31 @@ def ops(session: nox.Session) -> None:
     """nvfp4-ops with its declared dependencies (nvfp4-format, jax)."""
     session.install(FORMAT, f"{OPS}[test]")
     _pytest(session, "packages/nvfp4-ops/tests")
+
+
+@nox.session
+def te_conformance(session: nox.Session) -> None:
+    """nvfp4-ops against released TransformerEngine wheels (fetched now, never kept in the repo).
+
+    For each pinned version (`nvfp4_ops.te_backend.TE_TESTED_VERSIONS`: the supported floor and
+    the newest): bit-exactness against TE's PyTorch reference quantizer on CPU torch, every TE
+    name/keyword te_backend uses checked in TE's JAX sources, and backend="te" run through TE's
+    pure-JAX fallbacks. One pytest process per version (two releases never share one).
+    """
+    _install_cpu_torch(session)
+    # pip downloads the wheels; TE imports pydantic (its recipes) and scipy (its RHT matrix)
+    session.install(FORMAT, f"{OPS}[test]", "pip", "pydantic", "scipy")
+    versions = session.run(
+        "python", "-c",
+        "from nvfp4_ops.te_backend import TE_TESTED_VERSIONS as v; print(' '.join(v))",
+        silent=True,
+    ).split()  # fmt: skip
+    cache = Path(session.create_tmp()) / "transformer-engine"
+    for version in versions:
+        session.run(
+            "python", "-m", "pytest", "-q", "packages/nvfp4-ops/conformance",
+            f"--te-version={version}", f"--te-cache={cache}", *session.posargs,
+        )  # fmt: skip
 
 
 @nox.session

@@ -87,7 +87,9 @@ def decode_scale_of_amax(amax: float) -> np.float32:
     return np.float32(1.0) / s_enc
 
 
-def as_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_shape) -> nf.NVFP4Array:
+def as_nvfp4(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block_shape
+) -> nf.NVFP4Array:
     """One direction of a TE reference result as an `nvfp4_format.NVFP4Array` (NumPy)."""
     packed = to_numpy(data).astype(np.uint8)
     rows, half = packed.shape

@@ -20,11 +20,17 @@ only that, and are kept as small as the imports allow:
   `pure_jax_te`). jax < 0.11 has no CPU lowering for `jax.nn.scaled_matmul`, which TE's fallback
   GEMM calls; `pure_jax_te` registers one (the same `lax.scaled_dot` decomposition jax registers
   for ROCm).
-- `pure_jax_te` also works around a bug in TE's pure-JAX NVFP4 quantizer: it re-rounds the
-  already E4M3-cast block scales with `lax.reduce_precision(x, 4, 3)`, which has IEEE semantics
-  (largest finite value 240), so every block scale above 240 becomes NaN. For float8_e4m3fn input
-  that call is meant to be the identity, and the patch makes it so (for that input only). TE's
-  CUDA kernels do not go through this code.
+- `pure_jax_te` also works around two bugs in TE's pure-JAX NVFP4 quantizer
+  (jax/quantize/quantizer.py, `NVFP4Quantizer._quantize_func`, 2.10 to 2.20), which TE's CUDA
+  kernels do not go through:
+  1. it re-rounds the already E4M3-cast block scales with `lax.reduce_precision(x, 4, 3)`, which
+     has IEEE semantics (largest finite value 240), so every block scale above 240 becomes NaN.
+     For float8_e4m3fn input that call is meant to be the identity; the patch makes it so.
+  2. it broadcasts the 16x16 tile scales to one scale per row with `jnp.tile`, which repeats the
+     whole [rows/16, cols/16] array 16 times instead of each tile row 16 times, so row r gets the
+     scale of tile row r % (rows/16) instead of r // 16 (the codes are right, the scales are not).
+     The patch gives that module a `jnp` whose `tile` repeats elements (`jnp.tile` is used there
+     for this broadcast only).
 """
 
 from __future__ import annotations
@@ -211,6 +217,21 @@ def _register_cpu_scaled_matmul() -> None:
     mlir.register_lowering(primitive, lowering, platform="cpu")
 
 
+class _RepeatingTile:
+    """`jax.numpy`, except that `tile(x, reps)` repeats each element `reps[i]` times on axis i."""
+
+    def __init__(self, jnp) -> None:
+        self._jnp = jnp
+
+    def __getattr__(self, name: str):
+        return getattr(self._jnp, name)
+
+    def tile(self, x, reps):
+        for axis, rep in enumerate(reps):
+            x = self._jnp.repeat(x, int(rep), axis=axis)
+        return x
+
+
 @contextlib.contextmanager
 def pure_jax_te() -> Iterator[None]:
     """Trace TE calls inside this context: TE's pure-JAX fallbacks, runnable on CPU."""
@@ -225,12 +246,15 @@ def pure_jax_te() -> Iterator[None]:
             return x  # already E4M3FN; IEEE E4M3 rounding would turn 256..448 into NaN
         return reduce_precision(x, exponent_bits, mantissa_bits)
 
+    quantizer = importlib.import_module("transformer_engine.jax.quantize.quantizer")
     saved = os.environ.get("NVTE_JAX_CUSTOM_CALLS")
     os.environ["NVTE_JAX_CUSTOM_CALLS"] = "false"
     jax.lax.reduce_precision = patched
+    quantizer.jnp = _RepeatingTile(jnp)
     try:
         yield
     finally:
+        quantizer.jnp = jnp
         jax.lax.reduce_precision = reduce_precision
         if saved is None:
             del os.environ["NVTE_JAX_CUSTOM_CALLS"]

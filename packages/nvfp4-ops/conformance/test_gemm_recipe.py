@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import pytest
 import te_convert as tc
 
 import nvfp4_format as nf

@@ -1,45 +1,267 @@
-"""TransformerEngine backend: TE's JAX `dense` with its `NVFP4BlockScaling` recipe.
+"""TransformerEngine backend: the recipe's three GEMMs through TE's JAX NVFP4 quantizers and GEMM.
 
-UNTESTED ON HARDWARE: written against TransformerEngine's public JAX API (TE >= 2.9:
-`transformer_engine.jax.dense.dense`, `transformer_engine.jax.quantize.QuantizerFactory`,
-`transformer_engine.common.recipe.NVFP4BlockScaling`) and selected only where
-`backend_capabilities()["te"]` reports an sm_100+ GPU with TE importable. It has never run in this
-project (no Blackwell GPU was available); the emulated backend is the verified reference.
-Only the NVFP4 presets map onto TE (its recipe fixes X/W/dY to NVFP4 with 1x16 / 16x16 blocks).
+UNTESTED ON BLACKWELL HARDWARE. What is verified, and where (docs/ops.md, "Backends"):
+- every TransformerEngine name, keyword argument, dataclass field and enum member this module
+  uses is checked against the JAX sources of the pinned TE releases (`nox -s te_conformance`;
+  parsed, not imported, since TE's JAX package needs CUDA to import);
+- the same session runs `te_dot` end to end on CPU through TE's own pure-JAX quantize and GEMM
+  fallbacks (a documented stand-in replaces TE's compiled extension there) and compares it with
+  the emulated backend;
+- on the user's machine `nvfp4_ops.verify_backend("te")` (run by `nvfp4-ops doctor --verify` and
+  before the first step of `nvfp4-train run`) checks it against the emulated backend before it is
+  trusted.
+
+The linear runs as TE's own `dense` does (transformer_engine/jax/dense.py: quantize x and the
+kernel with the recipe's quantizers, GEMM NN; in the backward quantize dY, GEMM NT for dX and TN for
+dW), written out here as a `jax.custom_vjp` so that the operands can be padded to TE's alignment
+and each GEMM writes the dtype that `dot_general` promises (TE's dense writes its input dtype).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.canonical import Layout, from_canonical, to_canonical
+from nvfp4_ops.canonical import Layout, from_canonical, pad_to, to_canonical
+from nvfp4_ops.qdot import split_keys
 from nvfp4_ops.recipe import Recipe
+
+TE_MIN_VERSION = (2, 14)
+"""The oldest TransformerEngine release whose API and reference numerics the conformance session
+verifies (its reference quantizer rounds block scales as the kernels do from 2.14 on)."""
+
+TE_TESTED_VERSIONS = ("2.14.0", "2.20.2")
+"""The releases the conformance session checks: the supported floor and the newest."""
+
+RECIPE_ENVIRONMENT = (
+    "NVTE_NVFP4_DISABLE_RHT",
+    "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
+    "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+    "NVTE_NVFP4_ROW_SCALED_ACTIVATION",
+    "NVTE_NVFP4_4OVER6",
+    "NVTE_NVFP4_4OVER6_E4M3_USE_256",
+    "NVTE_NVFP4_4OVER6_ERR_MODE",
+    "NVTE_BACKWARD_OVERRIDE",
+    "NVTE_JAX_CUSTOM_CALLS",
+    "NVTE_JAX_CUSTOM_CALLS_RE",
+)
+"""Environment variables that change what TE computes behind our back: recipe fields default from
+the first eight when `NVFP4BlockScaling` is imported, and the last two swap TE's kernels for its
+pure-JAX fallbacks (whose NVFP4 quantizer turns block scales above 240 into NaN: it models the E4M3
+cast with `lax.reduce_precision(x, 4, 3)`, IEEE semantics, found by the conformance session)."""
+
+NEUTRAL_RECIPE_FIELDS = {
+    "row_scaled_activation": False,
+    "nvfp4_4over6": "none",
+    "backward_override": None,
+    "fp8_dpa": False,
+    "fp8_mha": False,
+}
+"""`NVFP4BlockScaling` fields (of the releases that have them) set explicitly to the paper's
+recipe, so that no environment default can change them."""
+
+BLOCK = 16
+
+
+def environment_conflicts(environ: Mapping[str, str]) -> list[str]:
+    """The `RECIPE_ENVIRONMENT` variables set in `environ`, as "NAME=value" strings."""
+    return [f"{name}={environ[name]}" for name in RECIPE_ENVIRONMENT if name in environ]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "2.20.2+cu12"."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+def te_host_support(environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether the installed TransformerEngine can run NVFP4 here as this module drives it.
+
+    Requires TE >= `TE_MIN_VERSION`, no `RECIPE_ENVIRONMENT` variable in `environ`, and TE's own
+    NVFP4 support check (compute capability >= 10.0, CUDA and cuBLASLt >= 12.8) to pass for 1x16
+    and 16x16 scaling.
+    """
+    version = str(importlib.import_module("transformer_engine").__version__)
+    floor = ".".join(map(str, TE_MIN_VERSION))
+    if _release(version) < TE_MIN_VERSION:
+        return False, (
+            f"TransformerEngine {version} is older than {floor}, the oldest release this "
+            "nvfp4-ops is verified against (pip install 'nvfp4-ops[te]')"
+        )
+    conflicts = environment_conflicts(environ)
+    if conflicts:
+        return False, (
+            f"{', '.join(conflicts)} would change TE's recipe or kernels behind the configured "
+            "recipe; unset it (the recipe is set through nvfp4_ops.Recipe)"
+        )
+    te_quantize = _te_quantize()
+    modes = te_quantize.ScalingMode
+    for mode in (modes.NVFP4_1D_SCALING, modes.NVFP4_2D_SCALING):
+        ok, why = te_quantize.is_scaling_mode_supported(mode)
+        if not ok:
+            return False, f"TransformerEngine {version} cannot run NVFP4 here: {why}"
+    return True, f"TransformerEngine {version} runs NVFP4 here"
+
+
+def te_unsupported(recipe: Recipe, batch: int = 1, dtype: np.dtype | None = None) -> str | None:
+    """Why TE's NVFP4 recipe cannot run this call exactly as `recipe` says, or None if it can.
+
+    Args:
+      recipe: the recipe.
+      batch: the product of the dot_general's batch dimensions (TE's dense has none).
+      dtype: the compute dtype (the promoted dtype of the operands); TE's RHT kernels take BF16.
+    """
+    roles = {"fprop_input": recipe.fprop_input, "fprop_weight": recipe.fprop_weight}
+    roles["grad"] = recipe.grad
+    for role, tq in roles.items():
+        if tq.fmt != "nvfp4":
+            return f"TE's NVFP4BlockScaling quantizes every role to NVFP4, {role} is {tq.fmt!r}"
+    if recipe.fprop_input.rounding != "rne" or recipe.fprop_weight.rounding != "rne":
+        return (
+            "TE rounds activations and weights to nearest; this recipe rounds them stochastically"
+        )
+    if recipe.fprop_input.block_shape != (1, BLOCK) or recipe.grad.block_shape != (1, BLOCK):
+        return "TE quantizes activations and gradients in 1x16 blocks"
+    if recipe.wgrad_hadamard and recipe.hadamard_size != BLOCK:
+        return f"TE's RHT is 16-point, this recipe's is {recipe.hadamard_size}-point"
+    if recipe.bf16_fprop:
+        return "TE quantizes the Fprop GEMM; this recipe runs it in BF16 (bf16_fprop)"
+    if batch != 1:
+        return f"TE's dense has no batch dimensions, this dot_general has a batch of {batch}"
+    if dtype is not None and np.dtype(dtype) != np.dtype(jnp.bfloat16):
+        return f"TE's NVFP4 kernels take BF16 operands, these compute in {np.dtype(dtype)}"
+    return None
 
 
 def te_recipe(recipe: Recipe):
-    """The `NVFP4BlockScaling` equivalent of `recipe`, or ValueError if TE cannot express it."""
-    roles = (recipe.fprop_input, recipe.fprop_weight, recipe.grad)
-    if any(t.fmt != "nvfp4" for t in roles) or recipe.fprop_input.rounding != "rne":
-        raise ValueError(
-            f"backend='te' runs NVFP4 recipes only (NVFP4BlockScaling), got recipe {recipe.name!r}"
-        )
-    if recipe.hadamard_size != 16:
-        raise ValueError(f"TE's RHT is 16-point, got hadamard_size={recipe.hadamard_size}")
-    if recipe.bf16_fprop:
-        raise ValueError(
-            f"TE's dense quantizes the Fprop GEMM; recipe {recipe.name!r} has bf16_fprop=True "
-            "(use backend='emulated' or 'xla')"
-        )
-    te_common = importlib.import_module("transformer_engine.common.recipe")
-    return te_common.NVFP4BlockScaling(
+    """TE's `NVFP4BlockScaling` for `recipe`, every known field explicit (no environment default).
+
+    Raises:
+      ValueError: TE cannot express the recipe (see `te_unsupported`).
+    """
+    reason = te_unsupported(recipe)
+    if reason is not None:
+        raise ValueError(f"backend='te' cannot run recipe {recipe.name!r}: {reason}")
+    cls = importlib.import_module("transformer_engine.common.recipe").NVFP4BlockScaling
+    known = {f.name for f in dataclasses.fields(cls)}
+    neutral = {k: v for k, v in NEUTRAL_RECIPE_FIELDS.items() if k in known}
+    return cls(
         disable_rht=not recipe.wgrad_hadamard,
         disable_stochastic_rounding=recipe.grad.rounding != "stochastic",
         disable_2d_quantization=not recipe.fprop_weight.is_2d,
+        **neutral,
     )
+
+
+def te_alignment(recipe: Recipe) -> tuple[int, int, int]:
+    """(M, K, N) multiples TE needs: cuBLAS FP4 GEMMs contract multiples of 32; the fused RHT
+    kernels take rows % 64 == 0 and columns % 128 == 0 (x is [M, K], dY is [M, N])."""
+    if recipe.wgrad_hadamard:
+        return 64, 128, 128
+    return 32, 32, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _TeCall:
+    """Static settings of one TE linear (hashable, a `nondiff_argnums` value)."""
+
+    recipe: Recipe
+    out_dtype: np.dtype
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+
+
+def _tex():
+    """transformer_engine.jax.cpp_extensions (TE's quantize and GEMM), imported on first use."""
+    return importlib.import_module("transformer_engine.jax.cpp_extensions")
+
+
+def _te_quantize():
+    """transformer_engine.jax.quantize (quantizers, their metadata, tensor usages)."""
+    return importlib.import_module("transformer_engine.jax.quantize")
+
+
+def _quantizer_set(recipe: Recipe, key: jax.Array | None):
+    """TE's quantizers for the recipe, with `QuantizeMeta` set as TE's own Flax layers set it.
+
+    RHT on the column-wise (Wgrad) usage of x and dY only; the stochastic-rounding state of the
+    gradient quantizer is uint32 [devices in the mesh, 4] drawn from the call's "dgrad_dy" key.
+    """
+    te_quantize = _te_quantize()
+    rht = recipe.wgrad_hadamard
+    if recipe.grad.rounding == "stochastic":
+        sharding = importlib.import_module("transformer_engine.jax.sharding")
+        devices = int(sharding.get_num_devices_in_mesh())
+        state = jax.random.bits(split_keys(key)["dgrad_dy"], (devices, 4), jnp.uint32)
+        grad = te_quantize.QuantizeMeta(use_rht=rht, stochastic_rounding_rng_state=state)
+    else:
+        grad = te_quantize.QuantizeMeta(use_rht=rht)
+    metas = te_quantize.QuantizeMetaSet(
+        x=te_quantize.QuantizeMeta(use_rht=rht),
+        kernel=te_quantize.QuantizeMeta(use_rht=False),
+        grad=grad,
+    )
+    return te_quantize.QuantizerFactory.create_set(
+        fp8_recipe=te_recipe(recipe), quantize_meta_set=metas
+    )
+
+
+def _writing(tensor, dtype: np.dtype):
+    """The quantized GEMM operand whose GEMM writes `dtype` (TE's GEMM writes lhs.dq_dtype)."""
+    return dataclasses.replace(tensor, dq_dtype=jnp.dtype(dtype))
+
+
+def _te_fwd(x_mk, w_kn, key, call: _TeCall):
+    tex, usage = _tex(), _te_quantize().TensorUsage
+    quantizers = _quantizer_set(call.recipe, key)
+    casted_x = tex.quantize(x_mk, flatten_axis=-1, quantizer=quantizers.x)
+    casted_w = tex.quantize(w_kn, flatten_axis=-1, quantizer=quantizers.kernel)
+    y = tex.gemm(
+        _writing(casted_x.get_tensor(usage=usage.LHS), call.out_dtype),
+        casted_w.get_tensor(usage=usage.RHS),
+        contracting_dims=((1,), (0,)),
+    )
+    residuals = (
+        casted_x.get_tensor(usage=usage.LHS_TRANS),
+        casted_w.get_tensor(usage=usage.RHS_TRANS),
+        key,
+    )
+    return y, residuals
+
+
+def _te_bwd(call: _TeCall, residuals, dy_mn):
+    tex, usage = _tex(), _te_quantize().TensorUsage
+    x_t, w_t, key = residuals
+    quantizers = _quantizer_set(call.recipe, key)
+    casted_dy = tex.quantize(
+        dy_mn.astype(jnp.bfloat16), flatten_axis=-1, quantizer=quantizers.dgrad
+    )
+    dx = tex.gemm(
+        _writing(casted_dy.get_tensor(usage=usage.LHS), call.lhs_dtype),
+        w_t,
+        contracting_dims=((1,), (1,)),
+    )
+    dw = tex.gemm(
+        _writing(x_t, call.rhs_dtype),
+        casted_dy.get_tensor(usage=usage.RHS),
+        contracting_dims=((0,), (0,)),
+    )
+    return dx, dw, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _te_linear(x_mk, w_kn, key, call: _TeCall):
+    """y[M, N] = x[M, K] . w[K, N] through TE's quantizers and GEMM (aligned BF16 operands)."""
+    return _te_fwd(x_mk, w_kn, key, call)[0]
+
+
+_te_linear.defvjp(_te_fwd, _te_bwd)
 
 
 def te_dot(
@@ -50,22 +272,25 @@ def te_dot(
     key: jax.Array | None,
     out_dtype: np.dtype,
 ) -> jax.Array:
-    """y = lhs . rhs through TE's quantized dense (its own custom_vjp: Fprop, Dgrad, Wgrad)."""
-    b, m, k, n = layout.bmkn
-    if b != 1:
-        raise ValueError(f"backend='te' supports dot_generals without batch dimensions, got B={b}")
-    dense = importlib.import_module("transformer_engine.jax.dense").dense
-    factory = importlib.import_module("transformer_engine.jax.quantize").QuantizerFactory
-    quantizers = factory.create_set(fp8_recipe=te_recipe(recipe))
-    if recipe.grad.rounding == "stochastic":
-        # TE draws its SR bits from a uint32[4] state on the gradient quantizer.
-        quantizers.dgrad.stochastic_rounding_rng_state = jax.random.bits(key, (4,), jnp.uint32)
+    """y = lhs . rhs through TransformerEngine, zero-padded to TE's alignment and sliced back.
+
+    Zero padding changes no amax and no sum, so the result is the unpadded one. The output has
+    `out_dtype`; the gradients the dtypes of `lhs` and `rhs`.
+
+    Raises:
+      ValueError: the recipe, the batch dimensions or the dtypes are not what TE runs
+        (`te_unsupported`).
+    """
+    b, m, _, n = layout.bmkn
+    dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    reason = te_unsupported(recipe, b, dtype)
+    if reason is not None:
+        raise ValueError(f"backend='te' cannot run this dot_general: {reason}")
+    call = _TeCall(recipe, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    am, ak, an = te_alignment(recipe)
     x, w = to_canonical(lhs, rhs, layout)
-    with jax.named_scope("nvfp4/te_dense"):
-        y = dense(
-            x[0].astype(jnp.bfloat16),
-            w[0].astype(jnp.bfloat16),
-            contracting_dims=((1,), (0,)),
-            quantizer_set=quantizers,
-        )
-    return from_canonical(y[None].astype(out_dtype), layout)
+    x_mk = pad_to(x[0], (am, ak))
+    w_kn = pad_to(w[0], (ak, an))
+    with jax.named_scope(f"nvfp4/te_linear[{recipe.name}]"):
+        y = _te_linear(x_mk, w_kn, key, call)
+    return from_canonical(y[None, :m, :n], layout)
