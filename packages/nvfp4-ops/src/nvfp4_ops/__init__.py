@@ -3,17 +3,26 @@
 Three quantized GEMMs per linear layer (Fprop, Dgrad, Wgrad) with 16x16 weight tiles, the random
 Hadamard transform on the Wgrad operands and stochastic rounding of gradients, behind a drop-in
 replacement for `jax.lax.dot_general`; plus `hadamard_transform`, `fake_quantize` and the backend
-capability report used by `nvfp4-ops doctor`.
+capability report, per-call backend selection and the on-machine verification used by
+`nvfp4-ops doctor [--verify]`.
 """
 
 import nvfp4_format
-from nvfp4_ops.backends import BACKENDS, auto_backend, backend_capabilities
+from nvfp4_ops.backends import (
+    BACKENDS,
+    Call,
+    auto_backend,
+    auto_order,
+    backend_capabilities,
+    select_backend,
+)
 from nvfp4_ops.dot import dot_general
 from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
 from nvfp4_ops.telemetry import STATS, gemm_operand_stats, operand_stats
+from nvfp4_ops.verify import VerifyReport, verify_backend
 
 # NVFP4Array / MXFP4Array must be JAX pytrees even when nvfp4_format was imported before JAX.
 nvfp4_format.register_jax_pytrees()
@@ -21,13 +30,16 @@ nvfp4_format.register_jax_pytrees()
 __all__ = [
     "BACKENDS",
     "FORMATS",
+    "Call",
     "FP8Tensor",
     "RECIPES",
     "STATS",
     "TE_SIGNS",
     "Recipe",
     "TensorQuant",
+    "VerifyReport",
     "auto_backend",
+    "auto_order",
     "backend_capabilities",
     "dequantize_fp8",
     "dot_general",
@@ -38,4 +50,6 @@ __all__ = [
     "hadamard_transform",
     "operand_stats",
     "quantize_fp8",
+    "select_backend",
+    "verify_backend",
 ]

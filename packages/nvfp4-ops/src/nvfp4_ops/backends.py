@@ -1,72 +1,117 @@
-"""Backend capabilities and the `auto` choice.
+"""Backends: what this host can run, what one call needs, and which backend runs it.
 
 - "emulated": pure JAX (quantize, dequantize, FP32 dot); runs on every device; the reference.
-- "xla": real float4_e2m1fn / float8 operands through `jax.lax.scaled_dot` (block-scaled dot);
-  XLA decomposes it to dequantize + dot where no block-scaled GEMM exists (CPU, pre-Blackwell).
-- "te": TransformerEngine's JAX NVFP4 recipe, only on sm_100+ GPUs with `transformer_engine.jax`.
+- "xla": real float4_e2m1fn / float8 operands and E4M3/E8M0 block scales. On CUDA through
+  `jax.nn.scaled_matmul` (the `__op$block_scaled_dot` custom call that XLA's block-scaling
+  rewriter turns into a cuDNN FP4 GEMM on sm_100+ with cuDNN >= 9.7, and into dequantize + dot
+  elsewhere: from XLA's source, not verified on hardware here); elsewhere `jax.lax.scaled_dot`,
+  which XLA decomposes into dequantize + dot.
+- "te": TransformerEngine's JAX NVFP4 quantizers and cuBLAS GEMM (`nvfp4_ops.te_backend`).
+
+`backend_capabilities()` says what the host can run at all. A call (`Call`: its recipe, batch size
+and compute dtype) may still be beyond a backend: TE runs neither batched dot_generals nor
+non-BF16 operands nor recipes outside NVFP4BlockScaling. `select_backend` picks, per call, the
+first backend of a preference order that can run it; "auto" is `auto_order()` and falls back
+call by call, logging each distinct reason once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
+import os
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_ops.recipe import Recipe
 
 BACKENDS = ("emulated", "xla", "te")
 
 log = logging.getLogger("nvfp4_ops")
 
 
-def _xla_available() -> tuple[bool, str]:
-    if not hasattr(jax.lax, "scaled_dot"):
-        return False, f"jax {jax.__version__} has no jax.lax.scaled_dot"
-    try:
-        a = jnp.zeros((1, 1, 32), jnp.float4_e2m1fn)
-        s = jnp.ones((1, 1, 2), jnp.float8_e4m3fn)
-        dims = (((2,), (2,)), ((0,), (0,)))
-        f = jax.jit(
-            lambda a, s: jax.lax.scaled_dot(
-                a,
-                a,
-                lhs_scale=s,
-                rhs_scale=s,
-                dimension_numbers=dims,
-                preferred_element_type=jnp.float32,
-            )
-        )
-        f.lower(a, s).compile()
-    except Exception as err:  # noqa: BLE001 - any failure means "not available here"
-        return False, f"jax.lax.scaled_dot does not compile on {jax.default_backend()}: {err}"
-    native = blackwell_devices()
-    where = "cuDNN block-scaled GEMM may apply (Blackwell)" if native else "dequantize + dot"
-    return True, f"jax.lax.scaled_dot compiles on {jax.default_backend()} ({where})"
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a backend must be able to run: one quantized dot_general.
+
+    Attributes:
+      recipe: the recipe.
+      batch: the product of the batch dimensions (1 for none).
+      compute_dtype: the promoted dtype of lhs and rhs.
+    """
+
+    recipe: Recipe
+    batch: int = 1
+    compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for anything else (ROCm's "gfx90a", CPU, TPU)."""
+    cc = getattr(device, "compute_capability", None)
+    match = re.fullmatch(r"(\d+)\.(\d+)", str(cc)) if cc is not None else None
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def blackwell_devices() -> list[str]:
-    """Descriptions of local GPUs with compute capability >= 10.0 (sm_100+)."""
+    """Descriptions of local CUDA GPUs with compute capability >= 10.0 (sm_100+)."""
     out = []
     for d in jax.local_devices():
-        cc = getattr(d, "compute_capability", None)
-        if d.platform == "gpu" and cc is not None and float(cc) >= 10.0:
-            out.append(f"{d.device_kind} (sm_{cc.replace('.', '')})")
+        cc = compute_capability(d)
+        if d.platform == "gpu" and cc is not None and cc >= (10, 0):
+            out.append(f"{d.device_kind} (sm_{cc[0]}{cc[1]})")
     return out
+
+
+def _cuda() -> bool:
+    return any(compute_capability(d) is not None for d in jax.local_devices())
+
+
+def _xla_available() -> tuple[bool, str]:
+    """Whether the xla backend's block-scaled dot compiles here, and what it lowers to."""
+    a = jnp.zeros((1, 128, 64), jnp.float4_e2m1fn)
+    s = jnp.ones((1, 128, 4), jnp.float8_e4m3fn)
+    try:
+        if _cuda():
+            f = jax.jit(jax.nn.scaled_matmul)
+            where = "jax.nn.scaled_matmul"
+        else:
+            dims = (((2,), (2,)), ((0,), (0,)))
+            f = jax.jit(lambda a, b, sa, sb: jax.lax.scaled_dot(  # noqa: E731
+                a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=dims,
+                preferred_element_type=jnp.float32,
+            ))  # fmt: skip
+            where = "jax.lax.scaled_dot"
+        f.lower(a, a, s, s).compile()
+    except Exception as err:  # noqa: BLE001 - any failure means "not available here"
+        return False, f"the block-scaled dot does not compile on {jax.default_backend()}: {err}"
+    if blackwell_devices():
+        lowering = (
+            "XLA may send it to a cuDNN FP4 GEMM (sm_100+, cuDNN >= 9.7; read from XLA's "
+            "source, unmeasured here), else dequantize + dot"
+        )
+    else:
+        lowering = "dequantize + dot (no FP4 tensor cores here)"
+    return True, f"{where} compiles on {jax.default_backend()}: {lowering}"
 
 
 def _te_available() -> tuple[bool, str]:
     try:
-        te = importlib.import_module("transformer_engine.jax")
+        importlib.import_module("transformer_engine.jax")
     except Exception as err:  # noqa: BLE001 - ImportError or a broken CUDA install
         return False, f"transformer_engine.jax does not import: {type(err).__name__}: {err}"
-    if not hasattr(getattr(te, "quantize", None), "ScalingMode") and not hasattr(te, "dense"):
-        return False, "transformer_engine.jax has no dense/quantize API (need TE >= 2.9)"
+    from nvfp4_ops.te_backend import te_host_support  # TE imports, so its helpers do
+
     gpus = blackwell_devices()
     if not gpus:
         kinds = sorted({f"{d.platform}:{d.device_kind}" for d in jax.local_devices()})
-        return False, f"TE NVFP4 needs an sm_100+ GPU, found {kinds}"
-    return True, f"transformer_engine.jax imports and GPUs {gpus} are sm_100+"
+        return False, f"TE's NVFP4 GEMMs need an sm_100+ GPU, found {kinds}"
+    ok, why = te_host_support(os.environ)
+    return ok, why if not ok else f"{why}; GPUs {gpus}"
 
 
 @functools.cache
@@ -84,37 +129,76 @@ def backend_capabilities() -> dict[str, tuple[bool, str]]:
     }
 
 
-@functools.cache
-def auto_backend() -> tuple[str, str]:
-    """(backend, why) that `backend="auto"` uses; logged once per process.
+def auto_order() -> tuple[str, ...]:
+    """The backends "auto" tries, best first.
 
-    1. "te" when available: the path known to reach FP4 tensor cores in training (sm_100+).
-    2. On a GPU without it, "xla" when `scaled_dot` compiles: exact BF16 operands on tensor cores
-       with FP32 accumulation, where "emulated" runs FP32 (HIGHEST) dots (expected faster; not
-       measured in this project, no GPU was available).
-    3. Otherwise "emulated": on CPU it is faster than "xla" (measured, docs/ops.md) and it is the
-       bit-exact reference.
+    1. "te": the path known to reach FP4 tensor cores in training (sm_100+).
+    2. On a GPU, "xla": FP4/FP8 operands that XLA may hand to cuDNN, and bf16-sized data
+       everywhere else (expected faster than emulation's FP32 dots; unmeasured here).
+    3. "emulated": on CPU faster than "xla" (measured, docs/ops.md) and the bit-exact reference.
     """
-    caps = backend_capabilities()
-    if caps["te"][0]:
-        pick, why = "te", caps["te"][1]
-    elif jax.default_backend() == "gpu" and caps["xla"][0]:
-        pick = "xla"
-        why = f"TE unavailable ({caps['te'][1]}); on GPU xla's BF16-operand dot beats FP32 (unmeasured)"
-    else:
-        pick = "emulated"
-        why = f"TE unavailable ({caps['te'][1]}); emulated is the fastest here and the reference"
-    log.warning("nvfp4_ops: backend='auto' uses %r: %s", pick, why)
-    return pick, why
+    if jax.default_backend() == "gpu":
+        return ("te", "xla", "emulated")
+    return ("te", "emulated")
 
 
-def resolve_backend(backend: str) -> str:
-    """Map "auto" to a concrete backend; raise if a named backend is unknown or unavailable."""
-    if backend == "auto":
-        return auto_backend()[0]
+def unsupported(backend: str, call: Call) -> str | None:
+    """Why `backend` cannot run `call` here, or None if it can."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     ok, why = backend_capabilities()[backend]
     if not ok:
-        raise ValueError(f"backend={backend!r} is not available here: {why}")
-    return backend
+        return f"not available here: {why}"
+    if backend == "te":
+        from nvfp4_ops.te_backend import te_unsupported
+
+        return te_unsupported(call.recipe, call.batch, call.compute_dtype)
+    return None
+
+
+@functools.cache
+def _note(pick: str, skipped: tuple[tuple[str, str], ...]) -> None:
+    """Log once per distinct choice why "auto" passed over better backends."""
+    reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+    log.warning("nvfp4_ops: backend='auto' uses %r for this call (%s)", pick, reasons)
+
+
+def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
+    """The backend that runs `call`: a name (which must be able to), "auto", or an order.
+
+    Raises:
+      ValueError: an unknown name, or a named backend that cannot run the call (why is said).
+    """
+    if isinstance(backend, str) and backend != "auto":
+        reason = unsupported(backend, call)
+        if reason is not None:
+            raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
+        return backend
+    order = auto_order() if backend == "auto" else tuple(backend)
+    if not order:
+        raise ValueError("backend must name at least one backend, got ()")
+    skipped = []
+    for name in order:
+        reason = unsupported(name, call)
+        if reason is None:
+            if skipped:
+                _note(name, tuple(skipped))
+            return name
+        skipped.append((name, reason))
+    raise ValueError(f"no backend of {order} can run this call: {dict(skipped)}")
+
+
+@functools.cache
+def auto_backend() -> tuple[str, str]:
+    """(backend, why) that "auto" uses for a plain BF16 call of the "nvfp4" recipe here."""
+    from nvfp4_ops.recipe import get_recipe
+
+    call = Call(get_recipe("nvfp4"))
+    reasons = []
+    for name in auto_order():
+        reason = unsupported(name, call)
+        if reason is None:
+            why = backend_capabilities()[name][1]
+            return name, "; ".join([*reasons, f"{name}: {why}"])
+        reasons.append(f"{name} unavailable ({reason})")
+    raise AssertionError("the emulated backend runs every call")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.backends import backend_capabilities, resolve_backend
+from nvfp4_ops.backends import Call, select_backend
 from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
 from nvfp4_ops.qdot import GemmConfig, quantized_dot
 from nvfp4_ops.recipe import Recipe, get_recipe
@@ -40,24 +40,6 @@ def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
     raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
 
 
-def _backend_for(backend: str, recipe: Recipe) -> str:
-    """The concrete backend for `recipe`: TE cannot run a BF16 Fprop with NVFP4 Dgrad/Wgrad.
-
-    TE's `dense` quantizes all three GEMMs, so a `bf16_fprop` recipe raises for an explicit
-    backend="te" and makes "auto" pick "xla" on a GPU where it compiles, else "emulated".
-    """
-    concrete = resolve_backend(backend)
-    if concrete != "te" or not recipe.bf16_fprop:
-        return concrete
-    if backend == "te":
-        raise ValueError(
-            f"backend='te' cannot run recipe {recipe.name!r}: TransformerEngine's NVFP4 dense "
-            "quantizes the Fprop GEMM, bf16_fprop=True needs backend 'xla' or 'emulated'"
-        )
-    on_gpu = jax.default_backend() == "gpu" and backend_capabilities()["xla"][0]
-    return "xla" if on_gpu else "emulated"
-
-
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -67,7 +49,7 @@ def dot_general(
     *,
     recipe: Recipe | str,
     key: jax.Array | None = None,
-    backend: str = "auto",
+    backend: str | tuple[str, ...] = "auto",
     out_sharding=None,
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, ...)` with the recipe's quantized Fprop, Dgrad and Wgrad GEMMs.
@@ -87,9 +69,11 @@ def dot_general(
         is exactly `lax.dot_general` with JAX's own gradients.
       key: PRNG key for stochastic rounding; required when the recipe uses it (a ValueError
         otherwise). Split per GEMM inside (see `nvfp4_ops.qdot`).
-      backend: "auto", "emulated", "xla" or "te" (see `backend_capabilities()`). A recipe with
-        `bf16_fprop=True` cannot run on "te" (a ValueError); "auto" then picks "xla" on a GPU
-        where it compiles, else "emulated".
+      backend: "emulated", "xla" or "te" (see `backend_capabilities()`): a ValueError saying
+        why if that backend cannot run this call (TE runs NVFP4BlockScaling recipes on BF16
+        operands without batch dimensions); "auto" (default): the first of `auto_order()` that
+        can, falling back per call and logging each reason once; or a tuple of names tried in
+        that order (e.g. the backends that passed `verify_backend`).
       out_sharding: as `lax.dot_general` (for a quantized recipe applied as a sharding
         constraint on the output).
 
@@ -110,9 +94,10 @@ def dot_general(
             out_sharding=out_sharding,
         )
     key = _as_key(key, recipe)
-    backend = _backend_for(backend, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    compute_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    backend = select_backend(backend, Call(recipe, layout.bmkn[0], compute_dtype))
     if backend == "te":
         from nvfp4_ops.te_backend import te_dot  # lazy: TransformerEngine is optional
 

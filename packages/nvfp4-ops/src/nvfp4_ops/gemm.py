@@ -70,24 +70,18 @@ def _block_scaled(q: Any, t: TensorQuant, transposed: bool):
 def xla_gemm(
     qa: Any, ta: TensorQuant, qb: Any, tb: TensorQuant, *, b_transposed: bool = False
 ) -> jax.Array:
-    """Real FP4/FP8 operands through `jax.lax.scaled_dot`, global scales applied to the output.
+    """Real FP4/FP8 operands through a block-scaled dot, global scales applied to the output.
 
-    Computes sum_blocks(qA * qB * sbA * sbB) * s_dec_A * s_dec_B (spec section 3), which XLA
-    lowers to a block-scaled GEMM where the platform has one and to dequantize + dot elsewhere.
+    Computes sum_blocks(qA * qB * sbA * sbB) * s_dec_A * s_dec_B (spec section 3) with
+    `_block_scaled_dot` where both operands are block-scaled alike, else as FP32 dot of the
+    scaled elements.
     Equal to `emulated_gemm` up to FP32 summation order and the rounding of the global scales.
     """
     with jax.named_scope("nvfp4/gemm_xla"):
         a, sa, ga = _block_scaled(qa, ta, False)
         b, sb, gb = _block_scaled(qb, tb, b_transposed)
         if sa is not None and sb is not None and sa.dtype == sb.dtype:
-            out = jax.lax.scaled_dot(
-                a,
-                b,
-                lhs_scale=sa,
-                rhs_scale=sb,
-                dimension_numbers=_LAST,
-                preferred_element_type=jnp.float32,
-            )
+            out = _block_scaled_dot(a, b, sa, sb)
         else:
             out = jax.lax.dot_general(
                 _unit_values(a, sa),
@@ -97,6 +91,22 @@ def xla_gemm(
                 preferred_element_type=jnp.float32,
             )
         return out * (ga * gb)
+
+
+def _block_scaled_dot(a, b, sa, sb) -> jax.Array:
+    """float32 [B, P, Q] = sum_blocks(a * sa) (b * sb) over the last axis, scales per block.
+
+    On GPUs through `jax.nn.scaled_matmul`: its `__op$block_scaled_dot` custom call is what XLA's
+    block-scaling rewriter can turn into a cuDNN FP4 GEMM (the scales are parameters of the
+    custom call's computation, as the rewriter requires); elsewhere `jax.lax.scaled_dot`, which
+    lowers where `scaled_matmul` has no lowering (CPU).
+    """
+    if jax.default_backend() == "gpu":
+        return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    return jax.lax.scaled_dot(
+        a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=_LAST,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
 
 
 def _unit_values(vals: jax.Array, scales: jax.Array | None) -> jax.Array:

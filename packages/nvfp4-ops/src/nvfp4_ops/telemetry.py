@@ -213,7 +213,11 @@ def gemm_operands(
         roles["dgrad_w"] = (w_nk, wq, "fprop_w")
     xt = wgrad_rotation(jnp.swapaxes(x_mk, -1, -2), recipe)
     roles["wgrad_x"] = (xt, recipe.fprop_input, "wgrad_x")
-    roles["wgrad_dy"] = (wgrad_rotation(jnp.swapaxes(dy_mn, -1, -2), recipe), recipe.grad, "wgrad_dy")
+    roles["wgrad_dy"] = (
+        wgrad_rotation(jnp.swapaxes(dy_mn, -1, -2), recipe),
+        recipe.grad,
+        "wgrad_dy",
+    )
     return {role: spec for role, spec in roles.items() if spec[1].quantized}
 
 

@@ -8,7 +8,8 @@
                                                          quantization telemetry heat maps
 
 A user mistake (bad config, missing file, wrong run directory) prints one `error:` line and exits 2;
-set NVFP4_TRAIN_DEBUG=1 to see the traceback instead.
+a run that cannot go on (`RunError`) prints one and exits 1. Set NVFP4_TRAIN_DEBUG=1 to see the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nvfp4_train.config import ConfigError, load_config, to_yaml
+from nvfp4_train.errors import RunError
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 DEBUG_ENV = "NVFP4_TRAIN_DEBUG"
 
 _OVERRIDES_HELP = "dotted overrides, e.g. train.steps=50 model.num_layers=4 precision.recipe=bf16"
@@ -113,7 +116,7 @@ _COMMANDS = {"run": _run, "show-config": _show_config, "eval": _eval, "plot": _p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0 ok, 2 user error).
+    """Runs the command line; returns the exit status (0 ok, 1 run failed, 2 user error).
 
     Example:
         >>> main(["show-config", "examples/configs/tiny.yaml", "train.steps=10"])  # doctest: +SKIP
@@ -121,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
+    except RunError as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except (ConfigError, ValueError, OSError) as e:
         # ValueError: user input rejected by a library call (e.g. a data path or a config value).
         if os.environ.get(DEBUG_ENV):

@@ -40,8 +40,9 @@ def _latest(previous, value):
 class QuantLinear(nnx.Module):
     """A bias-free linear `y = x @ W` whose matmul is `nvfp4_ops.dot_general` with a fixed recipe.
 
-    The kernel is stored [in, out] in float32 (like `nnx.Linear`); the recipe is a static attribute,
-    so it is part of the graphdef and not of the parameters.
+    The kernel is stored [in, out] in float32 (like `nnx.Linear`); the recipe and the
+    `nvfp4_ops` backend ("auto", a name, or an order of names) are static attributes, so they
+    are part of the graphdef and not of the parameters.
 
     Capture mode (`capture_operands = True`, set only on a merged copy inside a telemetry probe,
     see `nvfp4_train.telemetry`) additionally sows the GEMM input and the kernel as
@@ -65,10 +66,12 @@ class QuantLinear(nnx.Module):
         init_std: float,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        backend: str | tuple[str, ...] = "auto",
     ):
         init = jax.nn.initializers.normal(stddev=init_std)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.float32))
         self.recipe = recipe
+        self.backend = backend
         self.dtype = dtype
         self.capture_operands = False
 
@@ -84,8 +87,9 @@ class QuantLinear(nnx.Module):
         w = self.kernel[...].astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         y = nvfp4_ops.dot_general(
-            x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key
-        ).astype(self.dtype)
+            x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key,
+            backend=self.backend,
+        ).astype(self.dtype)  # fmt: skip
         if self.capture_operands:
             self.sow(LinearOperand, OPERAND_X, x, reduce_fn=_latest)
             self.sow(LinearOperand, OPERAND_W, w, reduce_fn=_latest)
@@ -138,17 +142,18 @@ class Attention(nnx.Module):
     SV are not quantized (inputs in the compute dtype, float32 accumulation and softmax).
     """
 
-    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
+                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
         hd, nh, nkv = cfg.resolved_head_dim, cfg.num_heads, cfg.num_kv_heads
         dtype = cfg.compute_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = QuantLinear(
             cfg.d_model, (nh + 2 * nkv) * hd, recipe=recipes[f"{prefix}.qkv"],
-            init_std=cfg.init_std, dtype=dtype, rngs=rngs,
+            init_std=cfg.init_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
         self.o = QuantLinear(
             nh * hd, cfg.d_model, recipe=recipes[f"{prefix}.o"],
-            init_std=out_std, dtype=dtype, rngs=rngs,
+            init_std=out_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.rope_theta = cfg.rope_theta
@@ -195,16 +200,17 @@ class MLP(nnx.Module):
     `mlp_dim` the up projection. `down.kernel` is [mlp_dim, d_model].
     """
 
-    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
+                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
         dtype = cfg.compute_dtype
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate_up = QuantLinear(
             cfg.d_model, 2 * cfg.mlp_dim, recipe=recipes[f"{prefix}.gate_up"],
-            init_std=cfg.init_std, dtype=dtype, rngs=rngs,
+            init_std=cfg.init_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
         self.down = QuantLinear(
             cfg.mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"],
-            init_std=out_std, dtype=dtype, rngs=rngs,
+            init_std=out_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
 
     def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
@@ -216,12 +222,13 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs,
+                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
         dtype = cfg.compute_dtype
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, recipes, f"layers.{index}.attn", rngs=rngs)
+        self.attn = Attention(cfg, recipes, f"layers.{index}.attn", rngs=rngs, backend=backend)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, recipes, f"layers.{index}.mlp", rngs=rngs)
+        self.mlp = MLP(cfg, recipes, f"layers.{index}.mlp", rngs=rngs, backend=backend)
 
     def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, ...]) -> jax.Array:
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2])

@@ -148,7 +148,8 @@ def linear_paths(cfg: ModelConfig) -> list[str]:
 
 
 class Llama(nnx.Module):
-    """The decoder. `recipes` maps every path of `linear_paths(cfg)` to an `nvfp4_ops.Recipe`.
+    """The decoder. `recipes` maps every path of `linear_paths(cfg)` to an `nvfp4_ops.Recipe`;
+    every quantized linear runs on `backend` (`nvfp4_ops.dot_general`'s argument).
 
     Example:
         >>> cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
@@ -159,7 +160,14 @@ class Llama(nnx.Module):
         (2, 8, 256)
     """
 
-    def __init__(self, cfg: ModelConfig, recipes: dict[str, nvfp4_ops.Recipe], *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        recipes: dict[str, nvfp4_ops.Recipe],
+        *,
+        rngs: nnx.Rngs,
+        backend: str | tuple[str, ...] = "auto",
+    ):
         if cfg.vocab_size <= 0:
             raise ValueError(
                 "model.vocab_size must be > 0 to build the model, got 0; fill it from the data "
@@ -177,7 +185,10 @@ class Llama(nnx.Module):
             cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=init, rngs=rngs
         )
         self.layers = nnx.Dict(
-            {str(i): Block(cfg, recipes, i, rngs=rngs) for i in range(cfg.num_layers)}
+            {
+                str(i): Block(cfg, recipes, i, rngs=rngs, backend=backend)
+                for i in range(cfg.num_layers)
+            }
         )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:

@@ -29,6 +29,26 @@ from nvfp4_train.model import LINEAR_NAMES, ModelConfig, linear_paths
 
 BF16_RECIPE = "bf16"
 LOSS_SCALING_MODES = ("none", "dynamic")
+VERIFY_MODES = ("warn", "strict", "off")
+
+
+def backend_spec(text: str) -> str | tuple[str, ...]:
+    """`precision.backend` as `nvfp4_ops.dot_general` takes it: "auto", a name, or an order.
+
+    Example:
+        >>> backend_spec("auto"), backend_spec("te"), backend_spec("te, emulated")
+        ('auto', 'te', ('te', 'emulated'))
+    """
+    expected = f"'auto', one of {nvfp4_ops.BACKENDS}, or a comma-separated order of them"
+    if not isinstance(text, str):
+        raise ValueError(f"precision.backend must be {expected}, got {text!r}")
+    names = tuple(part.strip() for part in text.split(","))
+    if names == ("auto",):
+        return "auto"
+    unknown = [n for n in names if n not in nvfp4_ops.BACKENDS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"precision.backend must be {expected}, got {text!r}")
+    return names[0] if len(names) == 1 else names
 
 
 def _parse_override(text: str) -> tuple[re.Pattern[str], str]:
@@ -61,6 +81,13 @@ class PrecisionConfig:
     Attributes:
         recipe: `nvfp4_ops` preset for the quantized linears ("nvfp4", "nvfp4-no-rht",
             "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-naive", "mxfp4", "fp8", "bf16").
+        backend: which `nvfp4_ops` backend runs the quantized GEMMs: "auto" (TE on sm_100+
+            GPUs, falling back per call to "xla" on GPUs and "emulated" elsewhere), "emulated",
+            "xla", "te", or a comma-separated order such as "te,emulated".
+        verify_backend: before step 1, check every backend the run may use other than
+            "emulated" against "emulated" (`nvfp4_ops.verify_backend`, seconds): "warn" (a
+            disagreeing backend is not used, the run says so and continues on the others),
+            "strict" (the run stops) or "off".
         bf16_first_layers: Blocks at the start kept in BF16; -1 = the scaled default rule.
         bf16_last_layers: Blocks at the end kept in BF16; -1 = the scaled default rule.
         overrides: `"REGEX=RECIPE"` strings matched (fullmatch) against module paths such as
@@ -83,6 +110,8 @@ class PrecisionConfig:
     """
 
     recipe: str = "nvfp4"
+    backend: str = "auto"
+    verify_backend: str = "warn"
     bf16_first_layers: int = -1
     bf16_last_layers: int = -1
     overrides: tuple[str, ...] = ()
@@ -94,6 +123,12 @@ class PrecisionConfig:
 
     def __post_init__(self):
         _check_recipe_name(self.recipe, "precision.recipe")
+        backend_spec(self.backend)
+        if self.verify_backend not in VERIFY_MODES:
+            raise ValueError(
+                f"precision.verify_backend must be one of {VERIFY_MODES}, "
+                f"got {self.verify_backend!r}"
+            )
         _check_bf16_forward_from(self.bf16_forward_from)
         for name in ("bf16_first_layers", "bf16_last_layers"):
             value = getattr(self, name)

@@ -35,16 +35,26 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
     return graphdefs[0], abstract
 
 
+IMPLEMENTATION_KEYS = {"precision": ("backend", "verify_backend")}
+"""Keys that say how a run computes, not what it computes: a run may resume on other ones
+(another machine, another backend), so they are not compared."""
+
+
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
     """Raises ConfigError naming every `model.*` / `precision.*` key that differs from `saved`.
 
-    A key missing from `saved` (written before the field existed) counts as its default value.
+    A key missing from `saved` (written before the field existed) counts as its default value;
+    `IMPLEMENTATION_KEYS` are not compared.
     """
     new = to_dict(cfg)
     for section in ("model", "precision"):
         old = saved.get(section)
         if isinstance(old, dict):
             old = {**to_dict(type(getattr(cfg, section))()), **old}
+        for key in IMPLEMENTATION_KEYS.get(section, ()):
+            new[section].pop(key, None)
+            if isinstance(old, dict):
+                old.pop(key, None)
         if old != new[section]:
             old = old or {}
             keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]

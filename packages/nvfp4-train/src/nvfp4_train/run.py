@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nvfp4_train.backend_check import trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from nvfp4_train.data import make_datasets
@@ -205,6 +206,15 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
     )
 
 
+def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
+    """`cfg` with the backends that disagree with "emulated" here left out (`backend_check`)."""
+    names = set(layer_recipe_names(cfg.model, cfg.precision).values())
+    backend = trusted_backend(cfg.precision, names, say)
+    if backend == cfg.precision.backend:
+        return cfg
+    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, backend=backend))
+
+
 def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     """Trains `cfg` for `train.steps` steps in `cfg.output_dir`, resuming from its checkpoints.
 
@@ -226,12 +236,14 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     run_dir.mkdir(parents=True, exist_ok=True)
     iterator = datasets.train_iterator()
     mesh = make_mesh(cfg.mesh, jax.devices())
+    written = cfg  # config.yaml keeps precision.backend as configured
+    cfg = _with_trusted_backend(cfg, say)
     with _checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
             cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say, mesh
         )
         if jax.process_index() == 0:
-            (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+            (run_dir / CONFIG_FILE).write_text(to_yaml(written))
             datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
         say(f"run directory: {run_dir.resolve()}")
         say(

@@ -26,7 +26,7 @@ from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.model import Llama, linear_paths
 from nvfp4_train.optim import make_optimizer, make_schedule
-from nvfp4_train.policy import layer_recipes
+from nvfp4_train.policy import backend_spec, layer_recipes
 from nvfp4_train.sharding import batch_sharding, logits_sharding
 
 Batch = dict[str, jax.Array]
@@ -65,7 +65,8 @@ def init_state(
     """
     model_cfg = cfg.model if vocab_size is None else cfg.model.with_vocab_size(vocab_size)
     recipes = layer_recipes(model_cfg, cfg.precision)
-    model = Llama(model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed))
+    backend = backend_spec(cfg.precision.backend)
+    model = Llama(model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend)
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
     optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
@@ -82,7 +83,10 @@ def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
     """
     recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
     seed = cfg.train.seed
-    abstract = nnx.eval_shape(lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=seed)))
+    backend = backend_spec(cfg.precision.backend)
+    abstract = nnx.eval_shape(
+        lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=seed), backend=backend)
+    )
     return nnx.graphdef(abstract)
 
 

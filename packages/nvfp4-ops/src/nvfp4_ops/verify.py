@@ -1,0 +1,249 @@
+"""Check a backend against the emulated one on this machine before trusting it.
+
+`verify_backend(backend)` runs a fixed battery - aligned, unaligned (padded) and batched shapes;
+the forward y and the gradients dX and dW; round-to-nearest and stochastic-rounding presets -
+through `backend` and through "emulated", and compares them:
+
+- round to nearest: every element within a derived bound. Both backends quantize to the same
+  codes and scales (TE's kernels and this project's emulation agree bit for bit, see the
+  conformance session); they sum in different orders and round the global scales differently:
+  |a - b| <= (2 K u + 8 u) * 4 (|x| @ |w|) with u = 2^-24, K the contraction and 4 covering
+  |Q(v)| <= 2 |v| on both operands, plus one rounding of each side for BF16 outputs;
+- stochastic rounding: the backends draw different random numbers, so the means over `draws`
+  keys are compared in units of their standard error: the average of z^2 over the elements is
+  about 1 (below `Z2_LIMIT`) unless one of them is biased.
+
+What this resolves: the forward is compared in FP32 and catches a relative error of ~1e-4; the
+gradients come back in the operands' dtype (BF16), whose rounding hides errors below ~0.4% per
+element; a wrong scale, layout or transform is far larger than either.
+
+Every comparison is a `Check`; `VerifyReport.ok` is True when all pass. Cases a backend cannot
+run (TE and batched calls) are reported as not applicable: `select_backend` never gives them to
+it. The throughput of one forward + backward of the aligned case is measured for both backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_ops.backends import Call, unsupported
+from nvfp4_ops.dot import dot_general
+from nvfp4_ops.recipe import get_recipe
+
+U = 2.0**-24
+BF16_ROUNDING = 2.0**-8
+Z2_LIMIT = 2.0
+RECIPES = ("nvfp4-no-sr", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One dot_general of the battery: lhs [*batch, M, K] . rhs [*batch, K, N]."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    batch: int = 0  # 0: no batch dimension
+
+    def dimension_numbers(self):
+        if self.batch:
+            return (((2,), (1,)), ((0,), (0,)))
+        return (((1,), (0,)), ((), ()))
+
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        lead = (self.batch,) if self.batch else ()
+        return (*lead, self.m, self.k), (*lead, self.k, self.n), (*lead, self.m, self.n)
+
+
+BATTERY = (
+    Case("aligned", 256, 256, 256),
+    Case("unaligned", 100, 72, 40),
+    Case("batched", 64, 64, 48, batch=2),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One comparison: `statistic` (max |diff| / bound, or mean z^2) against `limit`."""
+
+    backend: str
+    case: str
+    recipe: str
+    quantity: str
+    statistic: float
+    limit: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.statistic) and self.statistic <= self.limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The checks of one backend, the cases it cannot run, and steps per second."""
+
+    backend: str
+    checks: tuple[Check, ...]
+    not_applicable: tuple[str, ...]
+    steps_per_second: dict[str, float]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def table(self) -> str:
+        """The checks as an aligned text table."""
+        rows = [f"{'case':10s} {'recipe':12s} {'out':4s} {'statistic':>10s} {'limit':>6s}  result"]
+        for c in self.checks:
+            verdict = "ok" if c.ok else "DISAGREES"
+            rows.append(
+                f"{c.case:10s} {c.recipe:12s} {c.quantity:4s} {c.statistic:10.3g} "
+                f"{c.limit:6.3g}  {verdict} {c.note}".rstrip()
+            )
+        rows += [f"{name}: not applicable" for name in self.not_applicable]
+        speed = ", ".join(f"{k} {v:.1f}/s" for k, v in self.steps_per_second.items())
+        rows.append(f"forward+backward of the aligned case: {speed}")
+        return "\n".join(rows)
+
+    def as_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "ok": self.ok,
+            "checks": [{**dataclasses.asdict(c), "ok": c.ok} for c in self.checks],
+            "not_applicable": list(self.not_applicable),
+            "steps_per_second": self.steps_per_second,
+        }
+
+
+def _operands(case: Case, seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    x_shape, w_shape, dy_shape = case.shapes()
+    x = jax.random.normal(kx, x_shape, jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, w_shape, jnp.float32) * 0.05).astype(jnp.bfloat16)
+    dy = (jax.random.normal(kd, dy_shape, jnp.float32) * 0.01).astype(jnp.float32)
+    return x, w, dy
+
+
+def _runner(case: Case, recipe: str, backend: str):
+    dims = case.dimension_numbers()
+
+    @jax.jit
+    def run(x, w, dy, key):
+        def f(a, b):
+            return dot_general(
+                a, b, dims, preferred_element_type=jnp.float32, recipe=recipe, key=key,
+                backend=backend,
+            )  # fmt: skip
+
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(dy))
+
+    return run
+
+
+def _magnitudes(case: Case, x, w, dy) -> dict[str, np.ndarray]:
+    """|x| @ |w| and its two backward counterparts, float64 (the scale of each result)."""
+    ax, aw, ady = (np.abs(np.asarray(v, np.float64)) for v in (x, w, dy))
+    swap = lambda a: np.swapaxes(a, -1, -2)  # noqa: E731
+    return {"y": ax @ aw, "dx": ady @ swap(aw), "dw": swap(ax) @ ady}
+
+
+def _bound_ratio(got, want, scale, k: int, bf16: bool) -> float:
+    """max |got - want| / bound (see the module docstring); <= 1 passes."""
+    bound = (2 * k * U + 8 * U) * 4 * scale + 1e-30
+    if bf16:
+        bound = bound + BF16_ROUNDING * (np.abs(got) + np.abs(want))
+    return float(np.max(np.abs(got - want) / bound))
+
+
+def _z2(draws_a: np.ndarray, draws_b: np.ndarray) -> float:
+    n = draws_a.shape[0]
+    noise = draws_a.var(axis=0, ddof=1) / n + draws_b.var(axis=0, ddof=1) / n
+    z2 = (draws_a.mean(axis=0) - draws_b.mean(axis=0)) ** 2 / np.maximum(noise, 1e-300)
+    live = noise > 0
+    return float(np.mean(z2[live])) if live.any() else float(np.max(z2))
+
+
+def _compare(backend: str, case: Case, recipe: str, draws: int, seed: int) -> list[Check]:
+    x, w, dy = _operands(case, seed)
+    keys = jax.random.split(jax.random.key(seed + 1), draws)
+    ours, ref = _runner(case, recipe, backend), _runner(case, recipe, "emulated")
+    got = [[np.asarray(v, np.float64) for v in ours(x, w, dy, k)] for k in keys]
+    want = [[np.asarray(v, np.float64) for v in ref(x, w, dy, k)] for k in keys]
+    scale = _magnitudes(case, x, w, dy)
+    contraction = {"y": case.k, "dx": case.n, "dw": case.m}
+    stochastic = get_recipe(recipe).needs_key
+    checks = []
+    for i, quantity in enumerate(("y", "dx", "dw")):
+        if stochastic and quantity != "y":
+            a = np.stack([g[i] for g in got])
+            b = np.stack([r[i] for r in want])
+            stat, limit, note = _z2(a, b), Z2_LIMIT, f"mean z^2 over {draws} draws"
+        else:
+            stat = _bound_ratio(
+                got[0][i], want[0][i], scale[quantity], contraction[quantity], quantity != "y"
+            )
+            limit, note = 1.0, "max |diff| / bound"
+        checks.append(Check(backend, case.name, recipe, quantity, stat, limit, note))
+    return checks
+
+
+def _speed(backend: str, case: Case, repeats: int = 5) -> float:
+    x, w, dy = _operands(case, 0)
+    run = _runner(case, "nvfp4", backend)
+    key = jax.random.key(0)
+    jax.block_until_ready(run(x, w, dy, key))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(x, w, dy, key))
+        times.append(time.perf_counter() - t0)
+    return 1.0 / float(np.median(times))
+
+
+def verify_backend(
+    backend: str,
+    *,
+    recipes: tuple[str, ...] = RECIPES,
+    battery: tuple[Case, ...] = BATTERY,
+    draws: int = 8,
+    seed: int = 0,
+) -> VerifyReport:
+    """`backend` against "emulated" on the battery (see the module docstring).
+
+    Args:
+      backend: "xla" or "te" (or "emulated", which then agrees with itself).
+      recipes: preset names to check; stochastic ones are compared statistically.
+      battery: the cases.
+      draws: stochastic-rounding keys per stochastic recipe.
+      seed: seeds the operands and keys.
+
+    Raises:
+      ValueError: `backend` is unknown or not available here.
+
+    Example:
+      >>> verify_backend("xla", recipes=("nvfp4-no-sr",)).ok  # doctest: +SKIP
+      True
+    """
+    reason = unsupported(backend, Call(get_recipe(recipes[0])))
+    if reason is not None and reason.startswith("not available"):
+        raise ValueError(f"backend={backend!r} is {reason}")
+    checks, skipped = [], []
+    for case in battery:
+        for recipe in recipes:
+            call = Call(get_recipe(recipe), max(case.batch, 1), np.dtype(jnp.bfloat16))
+            why = unsupported(backend, call)
+            if why is not None:
+                skipped.append(f"{case.name} {recipe} ({why})")
+                continue
+            checks += _compare(backend, case, recipe, draws if get_recipe(recipe).needs_key else 1,
+                               seed)  # fmt: skip
+    speed = {name: _speed(name, battery[0]) for name in dict.fromkeys((backend, "emulated"))}
+    return VerifyReport(backend, tuple(checks), tuple(skipped), speed)

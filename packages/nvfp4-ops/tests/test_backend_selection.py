@@ -1,0 +1,179 @@
+"""Which backend runs a call: the "auto" fallback matrix, named backends, capability detection.
+
+TransformerEngine cannot run here, so the host capabilities are replaced by fakes; what is tested
+is the selection logic that `dot_general` runs on every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_ops
+from nvfp4_ops import backends, te_backend
+from nvfp4_ops.backends import Call, select_backend
+from nvfp4_ops.recipe import Recipe, TensorQuant, get_recipe
+
+BF16 = np.dtype(jnp.bfloat16)
+ALL_AVAILABLE = {name: (True, f"{name} (fake)") for name in nvfp4_ops.BACKENDS}
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """Set this host's capabilities and platform: host(te=..., gpu=...)."""
+
+    def set_host(*, te: bool = True, xla: bool = True, gpu: bool = False) -> None:
+        caps = dict(ALL_AVAILABLE)
+        caps["te"] = (te, "te (fake)" if te else "no sm_100+ GPU (fake)")
+        caps["xla"] = (xla, "xla (fake)" if xla else "does not compile (fake)")
+        monkeypatch.setattr(backends, "backend_capabilities", lambda: caps)
+        order = ("te", "xla", "emulated") if gpu else ("te", "emulated")
+        monkeypatch.setattr(backends, "auto_order", lambda: order)
+        backends._note.cache_clear()
+
+    return set_host
+
+
+SR_WEIGHT = Recipe(fprop_weight=TensorQuant("nvfp4", (16, 16), "stochastic"), name="sr-weight")
+
+
+@pytest.mark.parametrize(
+    "call, gpu, expected",
+    [
+        (Call(get_recipe("nvfp4")), False, "te"),
+        (Call(get_recipe("nvfp4-no-sr")), True, "te"),
+        (Call(get_recipe("nvfp4-no-2d")), True, "te"),
+        (Call(get_recipe("nvfp4").with_bf16_fprop()), False, "emulated"),
+        (Call(get_recipe("nvfp4").with_bf16_fprop()), True, "xla"),
+        (Call(get_recipe("nvfp4"), batch=4), True, "xla"),
+        (Call(get_recipe("nvfp4"), compute_dtype=np.dtype(np.float32)), False, "emulated"),
+        (Call(get_recipe("nvfp4"), compute_dtype=np.dtype(np.float16)), True, "xla"),
+        (Call(get_recipe("mxfp4")), True, "xla"),
+        (Call(get_recipe("fp8")), False, "emulated"),
+        (Call(get_recipe("nvfp4-naive")), True, "te"),
+        (Call(SR_WEIGHT), True, "xla"),
+        (Call(Recipe(hadamard_size=32, name="rht32")), False, "emulated"),
+    ],
+)
+def test_auto_never_gives_a_call_to_a_backend_that_cannot_run_it(host, call, gpu, expected):
+    host(gpu=gpu)
+    assert select_backend("auto", call) == expected
+
+
+def test_auto_without_te_or_on_cpu(host):
+    host(te=False, gpu=True)
+    assert select_backend("auto", Call(get_recipe("nvfp4"))) == "xla"
+    host(te=False, xla=False, gpu=True)
+    assert select_backend("auto", Call(get_recipe("nvfp4"))) == "emulated"
+    host(te=False, gpu=False)
+    assert select_backend("auto", Call(get_recipe("nvfp4"))) == "emulated"
+
+
+def test_a_named_backend_that_cannot_run_the_call_says_why(host):
+    host()
+    with pytest.raises(ValueError, match=r"backend='te' cannot run this call: .*batch of 2"):
+        select_backend("te", Call(get_recipe("nvfp4"), batch=2))
+    with pytest.raises(ValueError, match="rounds them stochastically"):
+        select_backend("te", Call(SR_WEIGHT))
+    with pytest.raises(ValueError, match="take BF16 operands, these compute in float32"):
+        select_backend("te", Call(get_recipe("nvfp4"), compute_dtype=np.dtype(np.float32)))
+    host(xla=False)
+    with pytest.raises(ValueError, match=r"backend='xla' cannot run this call: not available"):
+        select_backend("xla", Call(get_recipe("nvfp4")))
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        select_backend("cuda", Call(get_recipe("nvfp4")))
+
+
+def test_an_order_is_tried_left_to_right(host):
+    host()
+    call = Call(get_recipe("nvfp4"), batch=3)
+    assert select_backend(("te", "emulated"), call) == "emulated"
+    assert select_backend(("xla", "te"), Call(get_recipe("nvfp4"))) == "xla"
+    host(xla=False)
+    with pytest.raises(ValueError, match=r"no backend of \('te', 'xla'\) can run this call"):
+        select_backend(("te", "xla"), call)
+
+
+def test_each_fallback_reason_is_logged_once(host, caplog):
+    host()
+    batched = Call(get_recipe("nvfp4"), batch=2)
+    with caplog.at_level(logging.WARNING, logger="nvfp4_ops"):
+        for _ in range(3):
+            select_backend("auto", batched)
+        select_backend("auto", Call(get_recipe("nvfp4")))  # te: no fallback, no message
+        select_backend("auto", Call(get_recipe("fp8")))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "uses 'emulated'" in messages[0] and "batch of 2" in messages[0]
+    assert "every role to NVFP4" in messages[1]
+
+
+def test_dot_general_falls_back_per_call(host):
+    # TE "available" (fake) but a batched call: auto must not hand it to TE (which would fail
+    # to import here), and the result is the emulated one.
+    host(gpu=False)
+    x = jnp.ones((2, 16, 32), jnp.bfloat16)
+    w = jnp.ones((2, 32, 16), jnp.bfloat16)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    y = nvfp4_ops.dot_general(x, w, dn, recipe="nvfp4-no-sr")
+    want = nvfp4_ops.dot_general(x, w, dn, recipe="nvfp4-no-sr", backend="emulated")
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+
+class _Device:
+    def __init__(self, platform, kind, cc):
+        self.platform, self.device_kind, self.compute_capability = platform, kind, cc
+
+
+def test_capability_detection_survives_rocm_and_odd_devices(monkeypatch):
+    devices = [
+        _Device("gpu", "AMD Instinct MI300X", "gfx942"),
+        _Device("gpu", "NVIDIA H200", "9.0"),
+        _Device("gpu", "NVIDIA B200", "10.0"),
+        _Device("cpu", "cpu", None),
+    ]
+    monkeypatch.setattr(backends.jax, "local_devices", lambda: devices)
+    assert [backends.compute_capability(d) for d in devices] == [None, (9, 0), (10, 0), None]
+    assert backends.blackwell_devices() == ["NVIDIA B200 (sm_100)"]
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """A `transformer_engine` module of a chosen version whose NVFP4 check says `supported`."""
+
+    def install(version: str, supported=(True, "")):
+        te = types.ModuleType("transformer_engine")
+        te.__version__ = version
+        quantize = types.SimpleNamespace(
+            ScalingMode=types.SimpleNamespace(NVFP4_1D_SCALING="1d", NVFP4_2D_SCALING="2d"),
+            is_scaling_mode_supported=lambda mode: supported,
+        )
+        monkeypatch.setitem(sys.modules, "transformer_engine", te)
+        monkeypatch.setattr(te_backend, "_te_quantize", lambda: quantize)
+
+    return install
+
+
+def test_te_host_support_checks_version_environment_and_te_own_check(fake_te):
+    fake_te("2.9.0")
+    ok, why = te_backend.te_host_support({})
+    assert not ok and "2.9.0 is older than 2.14" in why
+    fake_te("2.20.2")
+    assert te_backend.te_host_support({}) == (True, "TransformerEngine 2.20.2 runs NVFP4 here")
+    ok, why = te_backend.te_host_support({"NVTE_NVFP4_DISABLE_RHT": "1", "PATH": "/bin"})
+    assert not ok and "NVTE_NVFP4_DISABLE_RHT=1 would change TE's recipe" in why
+    ok, why = te_backend.te_host_support({"NVTE_JAX_CUSTOM_CALLS": "false"})
+    assert not ok and "NVTE_JAX_CUSTOM_CALLS=false" in why
+    fake_te("2.20.2", (False, "CublasLt version 12.8.0 or higher required for NVFP4 execution."))
+    ok, why = te_backend.te_host_support({})
+    assert not ok and "CublasLt version 12.8.0" in why
+
+
+def test_te_alignment_covers_cublas_and_the_rht_kernels():
+    assert te_backend.te_alignment(get_recipe("nvfp4")) == (64, 128, 128)
+    assert te_backend.te_alignment(get_recipe("nvfp4-no-rht")) == (32, 32, 32)
