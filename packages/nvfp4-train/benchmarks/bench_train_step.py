@@ -62,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--out", default="docs/benchmarks/train_step.json")
     parser.add_argument("--md", default="docs/benchmarks/train_step.md")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override for every variant (repeatable), e.g. precision.backend=te",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     setups, times = {}, {}
     for name, overrides in VARIANTS.items():
+        overrides = [*overrides, *args.override]
         cfg, compiled, state, batch, temp = _compiled_step(args.config, overrides, args.vocab)
         state, _ = compiled(state, batch)  # warm-up
         jax.block_until_ready(state)
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "overrides": args.override,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
