@@ -103,7 +103,7 @@ def test_cli_export_verify_and_errors(tiny_run, tmp_path, capsys):
     assert main(["verify", str(out), "--against", str(tiny_run)]) == 0
     assert "result: OK" in capsys.readouterr().out
     assert main(["hf", str(tiny_run), str(out), "--layout", "modelopt"]) == 2
-    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert "already exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
     assert main(["hf", str(tmp_path / "missing"), str(tmp_path / "x"), "--layout", "modelopt"]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -122,3 +122,59 @@ def test_unswizzle_rows_larger_than_the_padded_array():
 def test_unswizzle_shape_not_padded():
     s = np.zeros((100, 4), np.uint8)
     _raises(ValueError, lambda: nf.unswizzle_scales(s, 100, 4), "swizzled")
+
+
+# ----------------------------------------------------------------------------- containers
+E4M3 = nf.nvfp4.ml_dtypes.float8_e4m3fn
+
+
+def _nvfp4(packed_shape=(4, 8), scales_shape=(4, 1), *, scale_dtype=E4M3, shape=(4, 16)):
+    return nf.NVFP4Array(
+        np.zeros(packed_shape, np.uint8),
+        np.ones(scales_shape, np.float32).astype(scale_dtype),
+        np.float32(1.0),
+        shape,
+    )
+
+
+def test_nvfp4_array_with_broadcastable_scales_is_refused():
+    # [1, 1] scales used to broadcast over the 4 rows and decode wrong values silently
+    _raises(ValueError, lambda: _nvfp4(scales_shape=(1, 1)), "block_scales", "(4, 1)", "(1, 1)")
+    _raises(ValueError, lambda: _nvfp4(packed_shape=(4, 16)), "packed", "(4, 8)")
+    _raises(TypeError, lambda: _nvfp4(scale_dtype=np.float32), "block_scales", "float8_e4m3fn")
+    _raises(ValueError, lambda: _nvfp4(shape=(4, 20)), "shape", "16")
+    assert _nvfp4().shape == (4, 16)  # the valid one builds
+    with pytest.raises(ValueError, match="block_shape must be one of"):
+        nf.NVFP4Array(_nvfp4().packed, _nvfp4().block_scales, np.float32(1), (4, 16), (2, 16))
+
+
+def test_mxfp4_array_is_validated_too():
+    ok = nf.MXFP4Array(np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.uint8), (4, 32))
+    assert ok.shape == (4, 32)
+    _raises(
+        ValueError,
+        lambda: nf.MXFP4Array(np.zeros((4, 16), np.uint8), np.zeros((1, 1), np.uint8), (4, 32)),
+        "scales",
+    )  # noqa: E501
+    _raises(
+        TypeError,
+        lambda: nf.MXFP4Array(np.zeros((4, 16), np.int8), np.zeros((4, 1), np.uint8), (4, 32)),
+        "packed",
+    )  # noqa: E501
+    with pytest.raises(ValueError, match="scale_rule"):
+        nf.MXFP4Array(np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.uint8), (4, 32), "round")
+
+
+def test_a_python_list_is_a_type_error_not_an_attribute_error():
+    _raises(TypeError, lambda: nf.quantize([1.0] * 16), "x", "list")
+    _raises(TypeError, lambda: nf.quantize_mxfp4([1.0] * 32), "x", "list")
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (4, 0), (0,), (2, 0, 32)])
+def test_zero_size_input_round_trips_to_empty_containers(shape):
+    x = np.zeros(shape, np.float32)
+    q = nf.quantize(x)
+    assert q.shape == shape and q.packed.shape == (*shape[:-1], shape[-1] // 2)
+    assert nf.dequantize(q).shape == shape
+    mx = nf.quantize_mxfp4(x)
+    assert nf.dequantize_mxfp4(mx).shape == shape

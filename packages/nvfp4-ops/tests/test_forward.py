@@ -143,3 +143,22 @@ def test_dimension_number_errors():
         nvfp4_ops.dot_general(x, w, (((2,), (0,)), ((), ())), recipe="nvfp4-no-sr")
     with pytest.raises(ValueError, match="dimension_numbers must be"):
         nvfp4_ops.dot_general(x, w, ((1,), (0,)), recipe="nvfp4-no-sr")
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape", [((0, 32), (32, 16)), ((4, 0), (0, 16))])
+def test_zero_size_operands_give_the_exact_product_and_gradients(lhs_shape, rhs_shape):
+    x, w = jnp.ones(lhs_shape, jnp.bfloat16), jnp.ones(rhs_shape, jnp.bfloat16)
+
+    def f(a, b):
+        return (
+            nvfp4_ops.dot_general(
+                a, b, (((1,), (0,)), ((), ())), recipe="nvfp4", key=jax.random.key(0)
+            )
+            .astype(jnp.float32)
+            .sum()
+        )
+
+    y = nvfp4_ops.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="nvfp4", key=jax.random.key(0))
+    assert y.shape == (lhs_shape[0], rhs_shape[1]) and not np.asarray(y, np.float32).any()
+    dx, dw = jax.grad(f, (0, 1))(x, w)
+    assert dx.shape == lhs_shape and dw.shape == rhs_shape

@@ -9,6 +9,7 @@ module never imports the training package.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,24 @@ class Checkpoint:
         return run_dir / TOKENIZER_DIR
 
 
+def existing_path(path: Path, what: str) -> Path:
+    """`path` made absolute (symbolic links resolved), or ExportError saying why it cannot be.
+
+    Orbax reads only absolute paths; a relative one ("runs/tiny", as the docs write it) is
+    resolved here, once, for everything that follows.
+    """
+    try:
+        return path.resolve(strict=True)
+    except FileNotFoundError:
+        raise ExportError(f"{what} {str(path)!r} does not exist") from None
+    except RuntimeError:  # Python < 3.13 reports a symlink loop so
+        raise ExportError(f"{what} {str(path)!r} is a loop of symbolic links") from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ExportError(f"{what} {str(path)!r} is a loop of symbolic links") from None
+        raise ExportError(f"{what} {str(path)!r} cannot be accessed: {err.strerror}") from None
+
+
 def _steps(checkpoints_dir: Path) -> list[int]:
     """Completed step directories (integer names; orbax's temporary directories are skipped)."""
     steps = []
@@ -87,9 +106,7 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> CheckpointR
     Raises:
         ExportError: nothing usable at `path`, or no checkpoint at `step`.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ExportError(f"checkpoint path {str(path)!r} does not exist")
+    path = existing_path(Path(path), "checkpoint path")
     if (path / PARAMS_ITEM).is_dir():
         if not path.name.isdigit():
             raise ExportError(f"step directory name must be the step number, got {path.name!r}")
@@ -160,9 +177,9 @@ def _read_item(step_dir: Path, name: str, reader, *, required: bool) -> Any:
     try:
         return reader(item_dir)
     except Exception as err:  # orbax raises many types for a damaged item
+        first = str(err).splitlines()[0] if str(err) else ""
         raise ExportError(
-            f"checkpoint item {str(item_dir)!r} cannot be read (missing or corrupt files?): "
-            f"{type(err).__name__}: {err}"
+            f"checkpoint item {str(item_dir)!r} cannot be read: {type(err).__name__}: {first}"
         ) from err
 
 

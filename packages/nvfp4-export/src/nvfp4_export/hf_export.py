@@ -184,8 +184,9 @@ def export_hf(
     start = time.perf_counter()
     out_dir = Path(out_dir)
     plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
-    check_target(out_dir, overwrite)
-    ckpt = read_checkpoint(resolve_checkpoint(checkpoint, step))
+    ref = resolve_checkpoint(checkpoint, step)
+    out_dir = check_target(out_dir, overwrite, source=ref)  # before any work: fail fast
+    ckpt = read_checkpoint(ref)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
     text = None if calibration_text is None else Path(calibration_text)
@@ -197,7 +198,7 @@ def export_hf(
         linears += export_linear(spec, path, kernel, recipes[path], amax.get(path))
     plan = plan_layout(layout, linears, weight_only=weight_only)
     provenance = _provenance(ckpt, spec, recipes, amax, source, plan)
-    with atomic_output(out_dir, overwrite=overwrite) as tmp:
+    with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:
         files = _write_dir(tmp, ckpt, spec, linears, plan, provenance, max_shard_bytes)
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
     notes = _weight_only_note(plan, weight_only)

@@ -153,6 +153,22 @@ def _file_problems(loaded: LoadedExport) -> list[str]:
     return problems
 
 
+def nonfinite_problems(loaded: LoadedExport) -> list[str]:
+    """Tensors holding NaN or Inf: weights, norms, block scales (E4M3 NaN, or the E8M0 NaN byte
+    255 of MXFP4 scales), global and input scales. Nothing finite can be computed from them."""
+    problems = []
+    mxfp4 = loaded.provenance.get("format") == "mxfp4"
+    for name, tensor in sorted(loaded.tensors.items()):
+        if tensor.dtype == np.uint8:
+            bad = int((tensor == 255).sum()) if mxfp4 and name.endswith("weight_scale") else 0
+        else:
+            bad = int((~np.isfinite(tensor.astype(np.float32))).sum())
+        if bad:
+            problems.append(f"{name}: {bad} NaN or Inf value(s)")
+    return problems
+
+
 def layout_problems(loaded: LoadedExport) -> list[str]:
     """Every broken invariant of the export (empty when it is sound)."""
-    return _metadata_problems(loaded) + _file_problems(loaded) + _linear_problems(loaded)
+    problems = _metadata_problems(loaded) + _file_problems(loaded) + _linear_problems(loaded)
+    return problems + nonfinite_problems(loaded)

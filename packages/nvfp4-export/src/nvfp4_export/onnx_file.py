@@ -10,7 +10,7 @@ from nvfp4_export.hf_export import dense_tensors
 from nvfp4_export.linears import export_linear
 from nvfp4_export.model_spec import spec_from_config
 from nvfp4_export.onnx_export import FORMS, build_onnx, save_onnx
-from nvfp4_export.output_dir import atomic_file
+from nvfp4_export.output_dir import atomic_file, check_file_target
 from nvfp4_export.policy import linear_recipes
 
 
@@ -42,14 +42,15 @@ def export_onnx(
         raise ExportError(
             "ONNX export needs the 'onnx' package: pip install 'nvfp4-export[onnx]'"
         ) from err
-    out_path = Path(out_path)
-    ckpt = read_checkpoint(resolve_checkpoint(checkpoint, step))
+    ref = resolve_checkpoint(checkpoint, step)
+    out_path = check_file_target(Path(out_path), overwrite, source=ref)  # fail before the work
+    ckpt = read_checkpoint(ref)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
     linears = []
     for path in spec.linear_paths():
         linears += export_linear(spec, path, ckpt.params[f"{path}.kernel"], recipes[path], None)
     model = build_onnx(spec, linears, dense_tensors(spec, ckpt.params), form)
-    with atomic_file(out_path, overwrite=overwrite) as tmp:
+    with atomic_file(out_path, overwrite=overwrite, source=ref) as tmp:
         save_onnx(model, tmp)
     return out_path

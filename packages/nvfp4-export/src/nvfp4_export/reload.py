@@ -14,9 +14,10 @@ from nvfp4_export.forward import ForwardLinear, ForwardWeights
 from nvfp4_export.hf_files import INDEX_FILE, SINGLE_FILE
 from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
 from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
+from nvfp4_export.output_dir import MANIFEST
 from nvfp4_export.policy import weight_format
 
-PROVENANCE_FILE = "nvfp4_export.json"
+PROVENANCE_FILE = MANIFEST
 
 
 @dataclasses.dataclass(frozen=True)

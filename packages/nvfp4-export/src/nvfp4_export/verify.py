@@ -12,7 +12,8 @@ from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpo
 from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logits
 from nvfp4_export.errors import ExportError
 from nvfp4_export.forward import ForwardLinear, ForwardWeights, forward
-from nvfp4_export.invariants import layout_problems
+from nvfp4_export.hf_export import dense_tensors
+from nvfp4_export.invariants import layout_problems, nonfinite_problems
 from nvfp4_export.linears import export_linear
 from nvfp4_export.model_spec import spec_from_config
 from nvfp4_export.policy import linear_recipes
@@ -180,14 +181,30 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
     return out
 
 
+def _dense_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
+    """Embeddings, norms and lm_head of the export against the checkpoint's, bit for bit."""
+    problems = []
+    for name, want in dense_tensors(loaded.spec, ckpt.params).items():
+        got = loaded.tensors.get(name)
+        if got is None:
+            continue  # reported by the layout invariants
+        if got.shape != want.shape or got.tobytes() != want.tobytes():
+            count = int((got != want).sum()) if got.shape == want.shape else got.size
+            problems.append(f"{name} differs from the checkpoint's ({count} elements)")
+    return problems
+
+
 def verify_dir(path: Path, against: Path | None, n: int) -> VerifyReport:
     loaded = load_export(path)
     problems, skipped, comparisons = layout_problems(loaded), [], []
+    if nonfinite_problems(loaded):
+        skipped.append("logit comparisons: the export holds NaN or Inf (see the problems)")
+        return VerifyReport(path, tuple(problems), (), tuple(skipped))
     weights = weights_from_export(loaded)
     tokens, ref, ref_name = None, None, None
     if against is not None:
         ckpt = read_checkpoint(resolve_checkpoint(against, loaded.provenance.get("step")))
-        problems += _bitexact_problems(loaded, ckpt)
+        problems += _dense_problems(loaded, ckpt) + _bitexact_problems(loaded, ckpt)
         spec = spec_from_config(ckpt.config, ckpt.params)
         trained = weights_from_checkpoint(ckpt, spec, loaded.provenance["recipes"], {})
         tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))

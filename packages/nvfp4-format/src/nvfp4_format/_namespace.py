@@ -43,7 +43,12 @@ def asarray(xp: ModuleType, x: Any, dtype: Any = None) -> Any:
 
 
 def check_float(name: str, x: Any) -> None:
-    """Raise TypeError unless `x` has a floating dtype (f16, bf16, f32, f64)."""
+    """Raise TypeError unless `x` is an array with a floating dtype (f16, bf16, f32, f64)."""
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        raise TypeError(
+            f"{name} must be a NumPy or JAX array with a floating dtype, got "
+            f"{type(x).__name__} (wrap it: np.asarray({name}, np.float32))"
+        )
     dtype = np.dtype(x.dtype)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -87,3 +92,53 @@ def check_uniform(name: str, uniform: Any, shape: tuple[int, ...]) -> None:
 def check_rounding(rounding: str) -> None:
     if rounding not in ("rne", "stochastic"):
         raise ValueError(f"rounding must be 'rne' or 'stochastic', got {rounding!r}")
+
+
+def check_fields(
+    owner: str, shape: Any, fields: dict[str, tuple[Any, Any, tuple[int, ...]]]
+) -> None:
+    """Validate a quantized container's array fields against its logical `shape`.
+
+    `fields` maps a field name to (value, expected dtype, expected trailing shape). A value that is
+    not an array (JAX passes None or placeholders through pytree maps) is not checked; leading
+    dimensions beyond the expected ones are allowed, as `jax.vmap` adds them, but must be the same
+    for every field.
+
+    Raises:
+      TypeError: a field has the wrong dtype.
+      ValueError: a field's trailing shape does not fit `shape`, or batch dimensions disagree.
+    """
+    batch = None
+    for name, (value, dtype, trailing) in fields.items():
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            continue
+        if np.dtype(value.dtype) != np.dtype(dtype):
+            raise TypeError(
+                f"{owner}.{name} must have dtype {np.dtype(dtype)}, got {np.dtype(value.dtype)}"
+            )
+        got = tuple(value.shape)
+        n = len(trailing)
+        if len(got) < n or got[len(got) - n :] != trailing:
+            raise ValueError(
+                f"{owner}.{name} must have shape {trailing} for shape={tuple(shape)}, got {got}"
+            )
+        lead = got[: len(got) - n]
+        if batch is not None and lead != batch:
+            raise ValueError(
+                f"{owner}: leading (batch) dimensions of its fields differ: {batch} and {lead}"
+            )
+        batch = lead
+
+
+def check_logical_shape(owner: str, shape: Any, block: int) -> tuple[int, ...]:
+    """`shape` as a tuple of ints >= 0 whose last entry is a multiple of `block`."""
+    try:
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"{owner}.shape must be a tuple of ints, got {shape!r}") from None
+    if not shape or any(d < 0 for d in shape) or shape[-1] % block:
+        raise ValueError(
+            f"{owner}.shape must be non-negative sizes whose last is a multiple of {block}, "
+            f"got {shape}"
+        )
+    return shape

@@ -16,13 +16,16 @@ a block with non-finite input on the JAX path.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
 
 from nvfp4_format._namespace import (
+    check_fields,
     check_finite,
     check_float,
+    check_logical_shape,
     check_rounding,
     check_uniform,
     namespace,
@@ -54,6 +57,19 @@ class MXFP4Array:
     shape: tuple[int, ...]
     scale_rule: str = "ocp"
 
+    def __post_init__(self) -> None:
+        shape = check_logical_shape("MXFP4Array", self.shape, MX_BLOCK_SIZE)
+        object.__setattr__(self, "shape", shape)
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(
+                f"MXFP4Array.scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}"
+            )
+        lead, k = shape[:-1], shape[-1]
+        check_fields("MXFP4Array", shape, {
+            "packed": (self.packed, np.uint8, (*lead, k // 2)),
+            "scales": (self.scales, np.uint8, (*lead, k // MX_BLOCK_SIZE)),
+        })  # fmt: skip
+
     def codes(self) -> Any:
         """The unpacked uint8 E2M1 codes [..., K]."""
         return unpack_fp4(self.packed)
@@ -72,8 +88,8 @@ def quantize_mxfp4(
       >>> int(q.scales[0]) - 127, dequantize_mxfp4(q)[:2]
       (-1, array([3., 3.], dtype=float32))
     """
-    xp = namespace(x, uniform)
     check_float("x", x)
+    xp = namespace(x, uniform)
     check_rounding(rounding)
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
@@ -84,6 +100,13 @@ def quantize_mxfp4(
     check_finite("x", x)
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
+    if x.size == 0:
+        *lead, k = x.shape
+        empty = (
+            xp.zeros((*lead, k // 2), xp.uint8),
+            xp.zeros((*lead, k // MX_BLOCK_SIZE), xp.uint8),
+        )
+        return MXFP4Array(*empty, tuple(x.shape), scale_rule)
     x32 = xp.asarray(x, dtype=xp.float32)
     blocks = x32.reshape(*x32.shape[:-1], -1, MX_BLOCK_SIZE)
     amax = xp.max(xp.abs(blocks), axis=-1)
@@ -99,6 +122,8 @@ def dequantize_mxfp4(a: MXFP4Array, dtype: Any = np.float32) -> Any:
     if not isinstance(a, MXFP4Array):
         raise TypeError(f"a must be an MXFP4Array, got {type(a).__name__}")
     xp = namespace(a.packed, a.scales)
+    if math.prod(a.shape) == 0:
+        return xp.zeros(a.shape, dtype)
     values = decode_packed(a.packed)
     blocks = values.reshape(*values.shape[:-1], -1, MX_BLOCK_SIZE)
     exponent = a.scales.astype(xp.int32) - E8M0_BIAS

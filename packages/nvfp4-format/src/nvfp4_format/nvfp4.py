@@ -22,14 +22,17 @@ chunks on NumPy). See docs/benchmarks/format_quantize.md for throughput.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from nvfp4_format._namespace import (
+    check_fields,
     check_finite,
     check_float,
+    check_logical_shape,
     check_rounding,
     check_uniform,
     is_jax_array,
@@ -64,6 +67,24 @@ class NVFP4Array:
     global_scale: Any
     shape: tuple[int, ...]
     block_shape: tuple[int, int] = (1, 16)
+
+    def __post_init__(self) -> None:
+        shape = check_logical_shape("NVFP4Array", self.shape, BLOCK_SIZE)
+        object.__setattr__(self, "shape", shape)
+        block_shape = tuple(self.block_shape)
+        if block_shape not in BLOCK_SHAPES:
+            raise ValueError(
+                f"NVFP4Array.block_shape must be one of {BLOCK_SHAPES}, got {self.block_shape}"
+            )
+        object.__setattr__(self, "block_shape", block_shape)
+        if block_shape == (16, 16) and (len(shape) < 2 or shape[-2] % BLOCK_SIZE):
+            raise ValueError(f"NVFP4Array with 16x16 tiles needs rows % 16 == 0, got {shape}")
+        lead, k = shape[:-1], shape[-1]
+        check_fields("NVFP4Array", shape, {
+            "packed": (self.packed, np.uint8, (*lead, k // 2)),
+            "block_scales": (self.block_scales, ml_dtypes.float8_e4m3fn, (*lead, k // BLOCK_SIZE)),
+            "global_scale": (self.global_scale, np.float32, ()),
+        })  # fmt: skip
 
     def codes(self) -> Any:
         """The unpacked uint8 E2M1 codes [..., K]."""
@@ -127,10 +148,12 @@ def quantize(
       >>> q.packed.shape, q.block_scales.dtype
       ((16,), dtype(float8_e4m3fn))
     """
-    xp = namespace(x, global_amax, uniform)
     check_float("x", x)
+    xp = namespace(x, global_amax, uniform)
     check_rounding(rounding)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
+    if x.size == 0:
+        return _empty(xp, tuple(x.shape), block_shape)
     block_amax = _block_amax(xp, x, block_shape)
     if not is_jax_array(block_amax) and block_amax.size and not np.isfinite(block_amax.max()):
         check_finite("x", x)  # NaN and Inf reach the block amaxes; this names the first one
@@ -161,11 +184,25 @@ def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
     if not isinstance(a, NVFP4Array):
         raise TypeError(f"a must be an NVFP4Array, got {type(a).__name__}")
     xp = namespace(a.packed, a.block_scales, a.global_scale)
+    if math.prod(a.shape) == 0:
+        return xp.zeros(a.shape, dtype)
     values = decode_packed(a.packed)
     blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
     scales = xp.asarray(a.block_scales).astype(xp.float32)[..., None]
     out = (blocks * scales) * xp.asarray(a.global_scale, dtype=xp.float32)
     return out.reshape(a.shape).astype(dtype)
+
+
+def _empty(xp: Any, shape: tuple[int, ...], block_shape: tuple[int, int]) -> NVFP4Array:
+    """The quantization of a zero-size `x`: empty codes and scales, the zero tensor's scale 1."""
+    *lead, k = shape
+    return NVFP4Array(
+        packed=xp.zeros((*lead, k // 2), xp.uint8),
+        block_scales=xp.zeros((*lead, k // BLOCK_SIZE), ml_dtypes.float8_e4m3fn),
+        global_scale=xp.asarray(1.0, dtype=xp.float32),
+        shape=shape,
+        block_shape=block_shape,
+    )
 
 
 def has_nonfinite(a: NVFP4Array) -> Any:

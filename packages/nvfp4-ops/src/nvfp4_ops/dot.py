@@ -60,6 +60,9 @@ def dot_general(
     amax and no sum). Accumulation is FP32; the output has `preferred_element_type` or the
     promoted input dtype, and the gradients the dtypes of `lhs` and `rhs`.
 
+    Zero-size operands (an empty batch, or K = 0) have nothing to quantize: the result is the
+    exact product, `lax.dot_general`'s (empty, or zeros), with its gradients.
+
     Args:
       lhs, rhs, dimension_numbers: as `jax.lax.dot_general`.
       precision: passed to `lax.dot_general` for an unquantized recipe; quantized GEMMs always
@@ -96,6 +99,11 @@ def dot_general(
     key = _as_key(key, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    if 0 in layout.bmkn:  # nothing to quantize: the exact (empty, or all-zero) product
+        return jax.lax.dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
+            out_sharding=out_sharding,
+        )  # fmt: skip
     compute_dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     backend = select_backend(backend, Call(recipe, layout.bmkn[0], compute_dtype))
     if backend == "te":
