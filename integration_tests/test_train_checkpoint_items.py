@@ -61,3 +61,25 @@ def test_export_cli_is_w4a4_from_the_training_items_and_verifies(run_dir, tmp_pa
     verified = _run("nvfp4_export.cli", "verify", str(out), "--against", str(run_dir))
     assert "result: OK" in verified.stdout
     assert "JAX reference (checkpoint item)" in verified.stdout
+
+
+def test_export_checks_the_checksums_training_wrote(run_dir, tmp_path):
+    # The same checksum algorithm on both sides of the schema: training's JAX one and export's
+    # NumPy one agree on every parameter; an altered checksum makes export refuse the checkpoint.
+    import json
+    import shutil
+
+    from nvfp4_export import ExportError
+    from nvfp4_export.checkpoint import checksums
+
+    ckpt = read_checkpoint(resolve_checkpoint(run_dir))  # passes: every checksum matches
+    step_dir = ckpt.ref.step_dir
+    saved = json.loads((step_dir / "integrity" / "metadata").read_text())
+    for name, value in ckpt.params.items():
+        assert saved["checksums"][f"params.{name}"] == checksums(value)
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    item = copy / "checkpoints" / step_dir.name / "integrity" / "metadata"
+    saved["checksums"]["params.embed.embedding"][1] ^= 1
+    item.write_text(json.dumps(saved))
+    with pytest.raises(ExportError, match=r"not what was saved: the checksums of embed.embedding"):
+        read_checkpoint(resolve_checkpoint(copy))

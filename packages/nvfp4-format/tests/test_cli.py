@@ -288,3 +288,37 @@ def test_module_entry_point_in_a_subprocess(modelopt_dir):
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert len(doc["checkpoints"][0]["quantized"]) == len(LINEARS)
+
+
+def test_inspect_of_a_large_sparse_checkpoint_needs_little_memory(tmp_path):
+    # 1.27 GiB of packed codes and scales (sparse on disk): the statistics read it in chunks
+    import struct
+    import subprocess
+    import sys
+
+    rows, k = 73728, 32768
+    packed, scales = rows * k // 2, rows * k // 16
+    name = "model.layers.0.mlp.down_proj"
+    header = {
+        f"{name}.weight": {"dtype": "U8", "shape": [rows, k // 2], "data_offsets": [0, packed]},
+        f"{name}.weight_scale": {
+            "dtype": "F8_E4M3", "shape": [rows, k // 16], "data_offsets": [packed, packed + scales],
+        },
+        f"{name}.weight_scale_2": {
+            "dtype": "F32", "shape": [], "data_offsets": [packed + scales, packed + scales + 4],
+        },
+        "__metadata__": {"format": "pt"},
+    }  # fmt: skip
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + packed + scales + 4)
+    probe = (
+        "import resource, sys; from nvfp4_format.cli import main; main(['inspect', sys.argv[1]]);"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
+    peak_kib = int(done.stdout.strip().splitlines()[-1])
+    assert "100.0%" in done.stdout  # all codes (and scales) zero: it read every byte
+    assert peak_kib < 300 * 1024, f"peak RSS {peak_kib / 1024:.0f} MiB for a 1.27 GiB file"

@@ -16,6 +16,7 @@ from nvfp4_format.safetensors_file import (
     read_safetensors_header,
     read_safetensors_index,
     read_tensor,
+    read_tensor_bytes,
 )
 
 TAG_OF_DTYPE = {
@@ -251,3 +252,30 @@ def test_bad_index(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         read_safetensors_index(path)
+
+
+def test_a_header_nested_too_deeply_is_a_value_error(tmp_path):
+    path = tmp_path / "nested.safetensors"
+    header = b"[" * 200_000
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_safetensors_header(path)
+
+
+def test_an_82_mib_header_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "huge.safetensors"
+    n = 82 * 2**20
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", n))
+        f.truncate(8 + n)  # sparse: 82 MiB of header that no real checkpoint has
+    with pytest.raises(ValueError, match="exceeds the 16777216-byte limit"):
+        read_safetensors_header(path)
+
+
+def test_read_tensor_bytes_gives_the_stored_bytes_in_chunks(tmp_path):
+    data = np.arange(3000, dtype=np.uint16)
+    save_file({"x": data}, str(tmp_path / "m.safetensors"))
+    header = read_safetensors_header(tmp_path / "m.safetensors")
+    chunks = list(read_tensor_bytes(header, "x", chunk_bytes=1024))
+    assert [c.size for c in chunks] == [1024] * 5 + [880]  # 6000 bytes
+    assert np.concatenate(chunks).tobytes() == data.tobytes()

@@ -22,6 +22,9 @@ PARAMS_ITEM = "params"
 CONFIG_ITEM = "config"
 QUANT_STATS_ITEM = "quant_stats"
 REFERENCE_ITEM = "reference"
+INTEGRITY_ITEM = "integrity"
+INTEGRITY_ALGORITHM = "u32-sum+golden-sum"
+GOLDEN = np.uint32(0x9E3779B1)
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
 
@@ -215,16 +218,51 @@ def _reference(ref: CheckpointRef) -> dict[str, np.ndarray] | None:
     return {"tokens": tokens.astype(np.int32), "logits": logits}
 
 
+def checksums(x: np.ndarray) -> list[int]:
+    """The checkpoint schema's two 32-bit checksums of an array's bits (docs/checkpoint-schema.md):
+    u = the bits as unsigned integers (64-bit folded as hi ^ lo); sum(u) and sum(u * 0x9E3779B1),
+    both mod 2^32."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        u = x.astype(np.uint32)
+    else:
+        u = x.view(np.dtype(f"uint{x.dtype.itemsize * 8}"))
+        u = (u >> 32).astype(np.uint32) ^ u.astype(np.uint32) if x.dtype.itemsize == 8 else u
+        u = u.astype(np.uint32).reshape(-1)
+    return [int(np.sum(u, dtype=np.uint32)), int(np.sum(u * GOLDEN, dtype=np.uint32))]
+
+
+def _integrity_problems(step_dir: Path, params: dict[str, np.ndarray]) -> list[str]:
+    """Parameters whose checksums differ from the `integrity` item saved with them."""
+    saved = _read_item(step_dir, INTEGRITY_ITEM, _restore_json, required=False)
+    if saved is None:  # written before checkpoints carried checksums
+        return []
+    if saved.get("algorithm") != INTEGRITY_ALGORITHM:
+        return [f"unknown integrity algorithm {saved.get('algorithm')!r}"]
+    expected = saved.get("checksums", {})
+    return sorted(
+        name for name, value in params.items() if expected.get(f"params.{name}") != checksums(value)
+    )
+
+
 def read_checkpoint(ref: CheckpointRef) -> Checkpoint:
     """Reads params, config and the optional `quant_stats` / `reference` items of `ref`.
 
     Raises:
-        ExportError: a required item is missing or cannot be read, or non-finite parameters.
+        ExportError: a required item is missing or cannot be read, non-finite parameters, or
+            parameters whose checksums differ from the checkpoint's `integrity` item.
     """
     params = _flatten(_read_item(ref.step_dir, PARAMS_ITEM, _restore_pytree, required=True))
     for name, value in params.items():
         if not np.all(np.isfinite(value)):
             raise ExportError(f"parameter {name!r} holds NaN or Inf; refusing to export it")
+    differ = _integrity_problems(ref.step_dir, params)
+    if differ:
+        raise ExportError(
+            f"checkpoint {str(ref.step_dir)!r} is not what was saved: the checksums of "
+            f"{', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} differ from its "
+            "integrity item (bytes changed on disk?); refusing to export it"
+        )
     stats = _read_item(ref.step_dir, QUANT_STATS_ITEM, _restore_json, required=False)
     if stats is not None and not isinstance(stats, dict):
         raise ExportError(

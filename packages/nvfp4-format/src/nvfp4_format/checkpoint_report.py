@@ -31,6 +31,7 @@ from nvfp4_format.safetensors_file import (
     read_safetensors_header,
     read_safetensors_index,
     read_tensor,
+    read_tensor_bytes,
 )
 
 __all__ = ["CheckpointReport", "declared_layouts", "inspect_checkpoint"]
@@ -261,8 +262,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointReport:
     def read(name: str) -> np.ndarray:
         return read_tensor(merged[name][0], name)
 
+    def read_bytes(name: str):
+        return read_tensor_bytes(merged[name][0], name)
+
     modules = detect_quantized_modules(tensors)
-    quantized = tuple(inspect_module(q, tensors, read) for q in modules)
+    quantized = tuple(inspect_module(q, tensors, read, read_bytes) for q in modules)
     claimed = {n for q in modules for n in q.tensor_names}
     unquantized = tuple(
         UnquantizedTensor(n, i.dtype, i.shape, i.nbytes)

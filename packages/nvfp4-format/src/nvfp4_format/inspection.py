@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,6 +213,20 @@ def detect_quantized_modules(
     return tuple(sorted(found, key=lambda m: m.module))
 
 
+def byte_counts(chunks: Iterable[np.ndarray]) -> np.ndarray:
+    """int64 [256]: how often each byte value occurs in the uint8 `chunks`, a chunk at a time."""
+    counts = np.zeros(256, np.int64)
+    for chunk in chunks:
+        flat = np.asarray(chunk).view(np.uint8).reshape(-1)
+        for start in range(0, flat.size, _CHUNK_BYTES):
+            counts += np.bincount(flat[start : start + _CHUNK_BYTES], minlength=256)
+    return counts
+
+
+def _array_chunks(array: np.ndarray) -> Iterator[np.ndarray]:
+    yield np.asarray(array).reshape(-1)
+
+
 def code_statistics(packed: np.ndarray) -> CodeStats:
     """Counts zero and saturated E2M1 codes in packed bytes (two codes per byte).
 
@@ -228,15 +242,16 @@ def code_statistics(packed: np.ndarray) -> CodeStats:
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
         raise TypeError(f"packed must be uint8, got dtype {packed.dtype}")
-    flat = packed.reshape(-1)
-    byte_counts = np.zeros(256, np.int64)
-    for start in range(0, flat.size, _CHUNK_BYTES):
-        byte_counts += np.bincount(flat[start : start + _CHUNK_BYTES], minlength=256)
+    return code_statistics_of_counts(byte_counts(_array_chunks(packed)))
+
+
+def code_statistics_of_counts(counts: np.ndarray) -> CodeStats:
+    """`CodeStats` of packed bytes given as a 256-entry count of each byte value."""
     byte_values = np.arange(256)
-    histogram = np.bincount(byte_values & 0xF, weights=byte_counts, minlength=16)
-    histogram += np.bincount(byte_values >> 4, weights=byte_counts, minlength=16)
+    histogram = np.bincount(byte_values & 0xF, weights=counts, minlength=16)
+    histogram += np.bincount(byte_values >> 4, weights=counts, minlength=16)
     histogram = histogram.astype(np.int64)
-    count = 2 * flat.size
+    count = 2 * int(counts.sum())
     zero = int(histogram[0] + histogram[8])
     saturated = int(histogram[7] + histogram[15])
     return CodeStats(
@@ -256,8 +271,26 @@ def _decode_scales(scales: np.ndarray, e8m0: bool) -> np.ndarray:
     return scales.astype(np.float32)
 
 
+def scale_statistics_of_counts(counts: np.ndarray, dtype, e8m0: bool) -> BlockScaleStats:
+    """`BlockScaleStats` of one-byte scales given as a 256-entry count of each byte value."""
+    codes = np.arange(256, dtype=np.uint8)
+    decoded = _decode_scales(codes if e8m0 else codes.view(dtype), e8m0).astype(np.float32)
+    return _stats(decoded[counts > 0], counts[counts > 0])
+
+
+def _float_chunks(values: np.ndarray):
+    flat = values.reshape(-1)
+    step = max(1, _CHUNK_BYTES // max(1, flat.itemsize))
+    for start in range(0, flat.size, step):
+        yield flat[start : start + step].astype(np.float32)
+
+
 def block_scale_statistics(scales: np.ndarray, *, e8m0: bool = False) -> BlockScaleStats:
-    """Range, zero fraction and NaN count of block scales.
+    """Range, zero fraction and NaN count of block scales, in bounded memory.
+
+    One-byte scales (E4M3, E8M0) are counted by byte value in cache-sized chunks and each of the
+    256 values is decoded once, so a multi-gigabyte tensor (memory-mapped) never becomes a float
+    copy; wider float scales are read chunk by chunk.
 
     Args:
         scales: block scales: a float array (float8_e4m3fn for NVFP4), or, with ``e8m0=True``,
@@ -267,18 +300,41 @@ def block_scale_statistics(scales: np.ndarray, *, e8m0: bool = False) -> BlockSc
     Returns:
         `BlockScaleStats` of the decoded values.
     """
-    values = _decode_scales(np.asarray(scales), e8m0).reshape(-1)
-    count = values.size
-    nan = np.isnan(values)
-    finite = values[np.isfinite(values)]
-    magnitudes = np.abs(finite[finite != 0])
+    scales = np.asarray(scales)
+    if scales.dtype.itemsize == 1:
+        return scale_statistics_of_counts(byte_counts(_array_chunks(scales)), scales.dtype, e8m0)
+    parts = [_stats(c, np.ones(c.size, np.int64)) for c in _float_chunks(scales)]
+    return _combine(parts) if parts else _stats(np.zeros(0, np.float32), np.zeros(0, np.int64))
+
+
+def _stats(values: np.ndarray, counts: np.ndarray) -> BlockScaleStats:
+    """`BlockScaleStats` of decoded `values` occurring `counts` times each."""
+    total = int(counts.sum())
+    finite = np.isfinite(values)
+    magnitudes = np.abs(values[finite & (values != 0)])
     return BlockScaleStats(
-        count=count,
+        count=total,
         min_nonzero=float(magnitudes.min()) if magnitudes.size else None,
-        max=float(finite.max()) if finite.size else None,
-        zero_fraction=float(np.count_nonzero(values == 0)) / count if count else 0.0,
-        nan_count=int(nan.sum()),
-        negative_count=int(np.count_nonzero(values < 0)),
+        max=float(values[finite].max()) if finite.any() else None,
+        zero_fraction=float(counts[values == 0].sum()) / total if total else 0.0,
+        nan_count=int(counts[np.isnan(values)].sum()),
+        negative_count=int(counts[values < 0].sum()),
+    )
+
+
+def _combine(parts: list[BlockScaleStats]) -> BlockScaleStats:
+    """The statistics of the concatenation of the chunks `parts` describe."""
+    total = sum(p.count for p in parts)
+    lows = [p.min_nonzero for p in parts if p.min_nonzero is not None]
+    highs = [p.max for p in parts if p.max is not None]
+    zeros = sum(p.zero_fraction * p.count for p in parts)
+    return BlockScaleStats(
+        count=total,
+        min_nonzero=min(lows) if lows else None,
+        max=max(highs) if highs else None,
+        zero_fraction=float(round(zeros)) / total if total else 0.0,
+        nan_count=sum(p.nan_count for p in parts),
+        negative_count=sum(p.negative_count for p in parts),
     )
 
 
@@ -333,6 +389,7 @@ def inspect_module(
     q: QuantizedModule,
     tensors: Mapping[str, TensorInfo],
     read: Callable[[str], np.ndarray],
+    read_bytes: Callable[[str], Iterable[np.ndarray]] | None = None,
 ) -> QuantizedTensorReport:
     """Checks one quantized linear for consistency and measures its codes and scales.
 
@@ -340,11 +397,15 @@ def inspect_module(
         q: from `detect_quantized_modules`.
         tensors: tensor name -> `TensorInfo` (must contain ``q.tensor_names``).
         read: tensor name -> array (e.g. ``functools.partial(read_tensor, header)``).
+        read_bytes: tensor name -> its stored bytes as uint8 chunks (e.g.
+            ``functools.partial(read_tensor_bytes, header)``), used for the packed codes and the
+            block scales so that memory stays bounded; default: the chunks of ``read(name)``.
 
     Returns:
         The `QuantizedTensorReport`; problems (wrong scale shape or dtype, NaN or negative
         scales, missing or non-positive global scale) are listed, never raised.
     """
+    chunks = read_bytes or (lambda name: _array_chunks(read(name)))
     packed = tensors[q.packed]
     shape = _logical_shape(packed)
     problems: list[str] = []
@@ -356,7 +417,12 @@ def inspect_module(
         problems += _scale_problems(q, shape, scale_info)
         e8m0 = q.layout == LAYOUT_CT_MXFP4
         if e8m0 or scale_info.dtype in _FLOAT_DTYPES:
-            block_stats = block_scale_statistics(read(q.block_scales), e8m0=e8m0)
+            stored = read(q.block_scales)
+            if stored.dtype.itemsize == 1:
+                counts = byte_counts(chunks(q.block_scales))
+                block_stats = scale_statistics_of_counts(counts, stored.dtype, e8m0)
+            else:
+                block_stats = block_scale_statistics(stored, e8m0=e8m0)
             if block_stats.nan_count:
                 problems.append(f"{block_stats.nan_count} NaN block scales in {q.block_scales}")
             if block_stats.negative_count:
@@ -376,7 +442,7 @@ def inspect_module(
         encode = q.layout != LAYOUT_MODELOPT_NVFP4
         input_decode, found = _scalar_scale(q.input_scale, tensors[q.input_scale], read, encode)
         problems += found
-    codes = code_statistics(np.asarray(read(q.packed)).view(np.uint8))
+    codes = code_statistics_of_counts(byte_counts(chunks(q.packed)))
     weight_names = (q.packed, q.block_scales, q.global_scale)
     weight_bytes = sum(tensors[n].nbytes for n in weight_names if n is not None)
     numel = math.prod(shape)

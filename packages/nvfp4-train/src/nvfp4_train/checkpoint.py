@@ -3,8 +3,11 @@
 On disk (see docs/checkpoint-schema.md): `<run_dir>/checkpoints/<step>/` holds one orbax item per
 `TrainState` field except `step` (`params`, `opt_state`: orbax PyTree/OCDBT, restorable without a
 target), `data_iter` (JSON: the grain iterator state), `config` (JSON: the resolved config) and
-`quant_stats` (JSON: `recipes` and `activation_amax` by module path) and `reference` (PyTree: the
-model's logits on fixed tokens). The step is the directory name.
+`quant_stats` (JSON: `recipes` and `activation_amax` by module path), `reference` (PyTree: the
+model's logits on fixed tokens) and `integrity` (JSON: checksums of every saved array, see
+`nvfp4_train.integrity`). The step is the directory name. A state holding NaN or Inf is never
+saved (`NonFiniteState`); a restored one whose checksums differ, or that holds NaN or Inf, is
+refused (`CorruptCheckpoint`), so a run resumes from the previous checkpoint instead.
 
 Example:
     >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
@@ -23,10 +26,22 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from nvfp4_train.errors import RunError
+from nvfp4_train.integrity import integrity_problems, state_integrity
+
 DATA_ITER_ITEM = "data_iter"
 CONFIG_ITEM = "config"
 QUANT_STATS_ITEM = "quant_stats"
 REFERENCE_ITEM = "reference"
+INTEGRITY_ITEM = "integrity"
+
+
+class NonFiniteState(RunError):
+    """A train state holding NaN or Inf: it is not saved, and the run cannot go on."""
+
+
+class CorruptCheckpoint(ValueError):
+    """A restored checkpoint that is not what was saved (checksums) or holds NaN or Inf."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +171,17 @@ class Checkpoints:
             reference: `{"tokens": int32 [n, L], "logits": float32 [n, L, V]}`, the model's
                 forward at this checkpoint on fixed sequences (a PyTree item), or None.
         """
+        integrity = state_integrity(state)
+        if not integrity["finite"]:
+            kept = self.latest_step()
+            raise NonFiniteState(
+                f"not saving step {step}: the train state holds NaN or Inf (training diverged); "
+                + (f"the newest checkpoint, step {kept}, is kept" if kept is not None else
+                   "no checkpoint was saved before")
+                + ". Lower optimizer.learning_rate, or resume from that checkpoint."
+            )  # fmt: skip
         items = {k: ocp.args.StandardSave(v) for k, v in _state_items(state).items()}
+        items[INTEGRITY_ITEM] = ocp.args.JsonSave(integrity)
         items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
         items[CONFIG_ITEM] = ocp.args.JsonSave(config)
         if quant_stats is not None:
@@ -184,11 +209,17 @@ class Checkpoints:
         items = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
         items[DATA_ITER_ITEM] = ocp.args.JsonRestore()
         items[CONFIG_ITEM] = ocp.args.JsonRestore()
+        has_integrity = (self.directory / str(step) / INTEGRITY_ITEM).is_dir()
+        if has_integrity:  # checkpoints written before checksums have none
+            items[INTEGRITY_ITEM] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         step_dtype = getattr(abstract_state.step, "dtype", jnp.int32)
         state = abstract_state._replace(
             step=jnp.asarray(step, dtype=step_dtype), **{k: restored[k] for k in targets}
         )
+        problems = integrity_problems(state, restored[INTEGRITY_ITEM] if has_integrity else None)
+        if problems:
+            raise CorruptCheckpoint(f"checkpoint of step {step}: {'; '.join(problems)}")
         return Restored(
             step=step,
             state=state,

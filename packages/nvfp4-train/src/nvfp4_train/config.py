@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +56,10 @@ class TrainConfig:
         eval_every: validation-loss interval in steps (0: only at the end).
         eval_batches: validation batches per evaluation (None: all `data.validation_batches`).
         log_every: interval in steps of metrics rows, TensorBoard points and log lines.
+        stop_after_nonfinite: stop the run (exit 1) after this many consecutive steps whose
+            update was skipped as non-finite or whose loss is not finite (0: never). Checked at
+            every metrics row, so up to `log_every` steps after the fact; the run's checkpoints
+            are kept as they are.
     """
 
     steps: int = 300
@@ -64,10 +70,12 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int | None = None
     log_every: int = 10
+    stop_after_nonfinite: int = 10
 
     def __post_init__(self) -> None:
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2)):
             _check_min("train", name, getattr(self, name), minimum)
+        _check_min("train", "stop_after_nonfinite", self.stop_after_nonfinite, 0)
         for name, minimum in (("grad_accum_steps", 1), ("log_every", 1), ("eval_every", 0)):
             _check_min("train", name, getattr(self, name), minimum)
         if self.eval_batches is not None:
@@ -182,8 +190,26 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", None) if origin is None else str(tp).replace("typing.", "")
 
 
+MAX_SHOWN = 200
+"""Longest repr of a user's value shown in an error message (a value can be huge: YAML aliases)."""
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, cut to `MAX_SHOWN` characters."""
+    cut = reprlib.Repr()
+    cut.maxstring = cut.maxother = MAX_SHOWN
+    text = cut.repr(value)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+
+
 def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{key}: expected {_describe(tp)}, got {value!r} ({type(value).__name__})")
+    return ConfigError(f"{key}: expected {_describe(tp)}, got {shown(value)} ({type(value).__name__})")
+
+
+def _finite(key: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return value
 
 
 def _convert_scalar(tp: type, value: Any, key: str) -> Any:
@@ -193,14 +219,18 @@ def _convert_scalar(tp: type, value: Any, key: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _finite(key, float(value))
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
-                pass
+                number = None
+            if number is not None:
+                return _finite(key, number)
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -258,7 +288,9 @@ def _unknown_key(cls: type, key: str, dotted: str) -> ConfigError:
     allowed = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, allowed, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown config key {dotted!r}{hint}; allowed keys: {', '.join(allowed)}")
+    return ConfigError(
+        f"unknown config key {shown(dotted)}{hint}; allowed keys: {', '.join(allowed)}"
+    )
 
 
 def build(cls: type, mapping: Mapping[str, Any], prefix: str = "") -> Any:
@@ -288,7 +320,68 @@ def build(cls: type, mapping: Mapping[str, Any], prefix: str = "") -> Any:
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(str(e) if prefix in str(e) else f"{prefix or 'config'}: {e}") from None
+        text = str(e) if prefix in str(e) else f"{prefix or 'config'}: {e}"
+        if len(text) > 4 * MAX_SHOWN:  # a section's message quoting a huge value
+            text = text[: 4 * MAX_SHOWN] + "... (message cut)"
+        raise ConfigError(text) from None
+
+
+MAX_NODES = 100_000
+"""Values a config may hold once its YAML aliases are expanded: plenty for any config, few enough
+to refuse an alias bomb (a few hundred bytes of nested aliases standing for billions of values)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                line = key_node.start_mark.line + 1
+                raise ConfigError(f"duplicate key {shown(key)} at line {line} of the YAML")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for once aliases are expanded (each node counted once)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 1  # a cycle counts once (recursive YAML)
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = []
+        sizes[id(node)] = 1 + sum(_expanded_size(c, sizes) for c in children)
+    return sizes[id(node)]
+
+
+def read_yaml(text: str) -> Any:
+    """YAML data as `yaml.safe_load` reads it, refusing duplicate keys and alias bombs.
+
+    Raises:
+        ConfigError: duplicate keys, more than `MAX_NODES` values, nesting too deep for Python.
+        yaml.YAMLError: not YAML.
+    """
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_NODES:
+            raise ConfigError(
+                f"the YAML stands for {size:,} values once its aliases (*name) are expanded, "
+                f"more than {MAX_NODES:,}; refusing it (an alias bomb?)"
+            )
+        return loader.construct_document(node)
+    except RecursionError:
+        raise ConfigError("the YAML is nested too deeply to read") from None
+    finally:
+        loader.dispose()
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -300,11 +393,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(p.strip() for p in parts):
-        raise ConfigError(f"override must look like section.key=value, got {text!r}")
+        raise ConfigError(f"override must look like section.key=value, got {shown(text)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {shown(text)}: the value is not valid YAML ({e})") from None
     return [p.strip() for p in parts], value
 
 
@@ -318,7 +411,7 @@ def apply_overrides(mapping: Mapping[str, Any], overrides: Iterable[str]) -> dic
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
-                raise ConfigError(f"override {text!r}: {where!r} is a value, not a section")
+                raise ConfigError(f"override {shown(text)}: {where!r} is a value, not a section")
             node = child
         node[parts[-1]] = value
     return result
@@ -338,7 +431,7 @@ def config_from_dict(mapping: Mapping[str, Any] | None, overrides: Iterable[str]
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Reads a YAML config file (yaml.safe_load) and builds the `Config` with overrides applied.
+    """Reads a YAML config file (`read_yaml`: a safe load) and builds the `Config` with overrides.
 
     Raises:
         ConfigError: the file is missing, is not YAML, or its content is not a valid config.
@@ -349,7 +442,9 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
     try:
-        mapping = yaml.safe_load(text)
+        mapping = read_yaml(text)
+    except ConfigError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     return config_from_dict(mapping, overrides)

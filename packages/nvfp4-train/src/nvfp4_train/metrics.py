@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -173,14 +174,37 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
 
 
 class MetricsFile:
-    """Appends rows to a `metrics.jsonl` file, flushing after each row."""
+    """Appends rows to a `metrics.jsonl` file, flushing after each row.
 
-    def __init__(self, path: str | Path) -> None:
+    If the file disappears while the run writes it (deleted, or replaced by another file), the
+    next row says so through `say` and starts a new file at the same path, instead of writing
+    on into the deleted one where nobody can read it.
+    """
+
+    def __init__(self, path: str | Path, say: Callable[[str], None] = print) -> None:
         self.path = Path(path)
+        self._say = say
+        self._open()
+
+    def _open(self) -> None:
         self._file = self.path.open("a")
+        self._identity = os.fstat(self._file.fileno())[1:3]  # (inode, device)
+
+    def _still_ours(self) -> bool:
+        try:
+            return os.stat(self.path)[1:3] == self._identity
+        except FileNotFoundError:
+            return False
 
     def append(self, row: Mapping[str, Any]) -> None:
         """Writes one row (non-finite floats become null)."""
+        if not self._still_ours():
+            self._file.close()
+            self._say(
+                f"warning: {self.path} disappeared (deleted or replaced) while this run wrote it; "
+                f"the rows before step {row.get('step')} went with it. Starting a new one."
+            )
+            self._open()
         self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
         self._file.flush()
 

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -29,6 +30,7 @@ from nvfp4_train.backend_check import trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from nvfp4_train.data import make_datasets
+from nvfp4_train.errors import RunError
 from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import (
     MetricsFile,
@@ -41,6 +43,7 @@ from nvfp4_train.metrics import (
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.policy import bf16_forward_start, layer_recipe_names
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
+from nvfp4_train.run_dir import make_run_dir, run_lock
 from nvfp4_train.sharding import (
     batch_sharding,
     bytes_per_device,
@@ -141,14 +144,15 @@ class _Outputs:
 
     def __init__(self, cfg: Config, run_dir: Path, start: int, stream: TextIO) -> None:
         primary = jax.process_index() == 0  # one writer per run directory
-        self.metrics = MetricsFile(run_dir / METRICS_FILE) if primary else None
+        self.progress = make_progress(
+            cfg.logging.progress, total=cfg.train.steps, initial=start, stream=stream
+        )
+        metrics = run_dir / METRICS_FILE
+        self.metrics = MetricsFile(metrics, say=self.progress.message) if primary else None
         self.tensorboard = None
         if cfg.logging.tensorboard and primary:
             purge = start + 1 if start else None
             self.tensorboard = TensorBoard(run_dir / TENSORBOARD_DIR, purge_step=purge)
-        self.progress = make_progress(
-            cfg.logging.progress, total=cfg.train.steps, initial=start, stream=stream
-        )
 
     def write(self, row: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -229,11 +233,21 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
         ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
     """
     stream = sys.stdout if stream is None else stream
+    run_dir = make_run_dir(Path(cfg.output_dir))
+    with _exclusive(run_dir):
+        return _run(cfg, run_dir, stream)
+
+
+def _exclusive(run_dir: Path):
+    """The run directory's lock (process 0 of a multi-process run takes it for all)."""
+    return run_lock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
+
+
+def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
+    """`run` inside the run directory's lock."""
     say = _sayer(stream)
-    run_dir = Path(cfg.output_dir)
     datasets = _datasets(cfg)
     cfg = _with_data_vocab(cfg, datasets.vocab_size)
-    run_dir.mkdir(parents=True, exist_ok=True)
     iterator = datasets.train_iterator()
     mesh = make_mesh(cfg.mesh, jax.devices())
     written = cfg  # config.yaml keeps precision.backend as configured
@@ -280,6 +294,7 @@ class _Loop:
             late = model_graphdef(cfg, bf16_forward=True)
             self.late_steps = self._jitted_steps(late, mesh, state_sh, replicated)
         self.val_batches = [global_batch(b, self.batch_sh) for b in _eval_batches(cfg, datasets)]
+        self.streak = (0, 0)  # (how many, first step) of the latest consecutive non-finite steps
         self.config_dict = to_dict(cfg)
         self.recipes = layer_recipe_names(cfg.model, cfg.precision)
         self.reference_tokens = reference_tokens(cfg, datasets)
@@ -373,6 +388,25 @@ class _Loop:
             row["val_loss"] = evaluate(self.eval_step, params, self.val_batches)
         return row
 
+    def _check_divergence(self, host: list, last_step: int) -> None:
+        """Raises RunError after `train.stop_after_nonfinite` consecutive skipped/NaN steps."""
+        for step in range(last_step - len(host) + 1, last_step + 1):
+            metrics = host[step - last_step - 1]
+            bad = bool(metrics["skipped"]) or not np.isfinite(float(metrics["loss"]))
+            count, first = self.streak
+            self.streak = (count + 1, first if count else step) if bad else (0, 0)
+        count, first = self.streak
+        limit = self.cfg.train.stop_after_nonfinite
+        if limit and count >= limit:
+            kept = self.ckpts.latest_step()
+            raise RunError(
+                f"training diverged: the {count} steps {first}..{last_step} were all "
+                "skipped as non-finite or had a non-finite loss (train.stop_after_nonfinite="
+                f"{limit}); stopping. "
+                + (f"The newest checkpoint, step {kept}, is kept. " if kept is not None else "")
+                + "Lower optimizer.learning_rate (or check the data) and run again."
+            )  # fmt: skip
+
     def _probe(self, state: Any, batch: Any, step: int) -> tuple[Any, float]:
         """(telemetry, seconds it took) of step `step` when due (`logging.quant_stats_every`),
         else (None, 0): what the step is about to quantize (its params, batch and SR key)."""
@@ -429,6 +463,7 @@ class _Loop:
                     rows.append(self._row(step, host, seconds, state.params))
                     outputs.write(rows[-1])
                     window = []
+                    self._check_divergence(host, step)
                 else:
                     outputs.progress.update(step)
                 if stopping or self._is_checkpoint_step(step):
@@ -491,6 +526,12 @@ def evaluate_run(
     stream = sys.stdout if stream is None else stream
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
+    with _exclusive(run_dir):
+        return _evaluate(cfg, run_dir, forward, stream)
+
+
+def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[str, Any]:
+    """`evaluate_run` inside the run directory's lock."""
     if not (run_dir / CHECKPOINT_DIR).is_dir():
         raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
     datasets = _datasets(cfg)
