@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from nvfp4_train.checkpoint import CorruptCheckpoint, Checkpoints
+from nvfp4_train.checkpoint import Checkpoints, CorruptCheckpoint
 from nvfp4_train.cli import main
 from nvfp4_train.config import ConfigError, config_from_dict, load_config
 from nvfp4_train.errors import RunError
@@ -106,9 +106,9 @@ def test_one_run_per_directory_and_a_killed_holder_leaves_no_stale_lock(tmp_path
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(ConfigError, match=rf"in use by another nvfp4-train process \(pid {holder.pid} on"):  # noqa: E501
-            with run_lock(tmp_path):
-                pass
+        in_use = rf"in use by another nvfp4-train process \(pid {holder.pid} on"
+        with pytest.raises(ConfigError, match=in_use), run_lock(tmp_path):
+            pass
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -146,7 +146,9 @@ def test_a_diverging_run_stops_with_an_error_and_keeps_its_checkpoints(tiny_conf
         "train.log_every=1", "checkpoint.every_steps=1", "checkpoint.keep=2",
         "train.stop_after_nonfinite=3", "optimizer.warmup_steps=0",
     )  # fmt: skip
-    with pytest.raises(RunError, match=r"training diverged: the 3 steps \d+\.\.\d+ were all skipped"):
+    with pytest.raises(
+        RunError, match=r"training diverged: the 3 steps \d+\.\.\d+ were all skipped"
+    ):
         run(cfg, stream=io.StringIO())
     assert main(["run", str(tmp_path / "run" / "config.yaml")]) == 1  # resumed: the same stop
     with Checkpoints(tmp_path / "run" / "checkpoints", keep=2) as ckpts:
@@ -190,7 +192,10 @@ def test_a_checkpoint_whose_checksums_differ_is_refused_and_set_aside(two_checkp
     with Checkpoints(directory, keep=3) as ckpts, pytest.raises(CorruptCheckpoint, match=path):
         ckpts.restore(4, abstract)
     out = io.StringIO()
-    run(config_from_dict({**_as_dict(cfg), "train": {**_as_dict(cfg)["train"], "steps": 6}}), stream=out)
+    run(
+        config_from_dict({**_as_dict(cfg), "train": {**_as_dict(cfg)["train"], "steps": 6}}),
+        stream=out,
+    )
     text = out.getvalue()
     assert "checksums of" in text and "moved it to 4.unreadable" in text
     assert "resumed from" in text and "(step 2)" in text
@@ -206,7 +211,10 @@ def test_flipped_bytes_on_disk_are_never_trained_on(two_checkpoints):
         data[i] ^= 0xFF
     data_file.write_bytes(bytes(data))
     out = io.StringIO()
-    run(config_from_dict({**_as_dict(cfg), "train": {**_as_dict(cfg)["train"], "steps": 6}}), stream=out)
+    run(
+        config_from_dict({**_as_dict(cfg), "train": {**_as_dict(cfg)["train"], "steps": 6}}),
+        stream=out,
+    )
     assert "is unreadable" in out.getvalue() and "(step 2)" in out.getvalue()
 
 

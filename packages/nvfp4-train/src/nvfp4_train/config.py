@@ -203,7 +203,9 @@ def shown(value: Any) -> str:
 
 
 def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{key}: expected {_describe(tp)}, got {shown(value)} ({type(value).__name__})")
+    return ConfigError(
+        f"{key}: expected {_describe(tp)}, got {shown(value)} ({type(value).__name__})"
+    )
 
 
 def _finite(key: str, value: float) -> float:

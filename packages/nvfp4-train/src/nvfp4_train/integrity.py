@@ -73,7 +73,10 @@ def integrity_problems(state: Any, saved: dict[str, Any] | None) -> list[str]:
     if saved is None:
         return problems
     if saved.get("algorithm") != ALGORITHM:
-        return [*problems, f"its integrity item has an unknown algorithm {saved.get('algorithm')!r}"]
+        return [
+            *problems,
+            f"its integrity item has an unknown algorithm {saved.get('algorithm')!r}",
+        ]
     expected = saved.get("checksums", {})
     differ = sorted(p for p in now["checksums"] if expected.get(p) != now["checksums"][p])
     missing = sorted(set(expected) - set(now["checksums"]))

@@ -33,7 +33,9 @@ def make_run_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise ConfigError(f"{where} is a file, not a directory; choose another output_dir") from None
+        raise ConfigError(
+            f"{where} is a file, not a directory; choose another output_dir"
+        ) from None
     except NotADirectoryError:
         raise ConfigError(
             f"{where} cannot be created: one of its parents is a file; choose another output_dir"
