@@ -7,6 +7,7 @@ found. Pure data in, frozen report out; rendering lives in `cli`.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -164,7 +165,13 @@ def _resolve(path: str) -> tuple[list[str], SafetensorsIndex | None, str]:
     if os.path.isfile(path):
         return [path], None, os.path.dirname(path) or "."
     if not os.path.isdir(path):
-        raise ValueError(f"{path}: no such file or directory")
+        try:
+            os.stat(path)
+        except OSError as e:  # ELOOP: a symbolic link loop; ENOENT; EACCES
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"{path}: a loop of symbolic links") from None
+            raise ValueError(f"{path}: {e.strerror.lower()}") from None
+        raise ValueError(f"{path}: neither a file nor a directory")
     index_path = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index_path):
         index = read_safetensors_index(index_path)

@@ -1,0 +1,335 @@
+"""The bad-input sweep: every command line tool and the Python API, fed what a hostile new user
+feeds them. Each row: the input, the exit code (or exception) and a fragment of the message.
+A row failing means a bad input became a traceback, a silent wrong result or a data loss again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4-export" / "tests"))
+from conftest import write_run  # noqa: E402  (the export tests' fake-run writer)
+
+import nvfp4_format as nf  # noqa: E402
+import nvfp4_ops  # noqa: E402
+from nvfp4_export import ExportError, export_hf  # noqa: E402
+from nvfp4_export.cli import main as export_main  # noqa: E402
+from nvfp4_format.cli import main as format_main  # noqa: E402
+from nvfp4_ops.cli import main as ops_main  # noqa: E402
+from nvfp4_train.cli import main as train_main  # noqa: E402
+
+TOOLS = {"train": train_main, "export": export_main, "format": format_main, "ops": ops_main}
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    """A directory of bad (and a few good) inputs, built once."""
+    root = tmp_path_factory.mktemp("bad")
+    write = lambda name, text: (root / name).write_text(text) or root / name  # noqa: E731
+    write("ok.yaml", "train:\n  steps: 3\n")
+    write("list.yaml", "- 1\n- 2\n")
+    write("notyaml.yaml", "train: [1, 2\n")
+    write("unknown.yaml", "trian:\n  steps: 3\n")
+    write("wrongtype.yaml", "train:\n  steps: ten\n")
+    write("inf.yaml", "optimizer:\n  learning_rate: .inf\n")
+    write("nan.yaml", "optimizer:\n  learning_rate: .nan\n")
+    write("dup.yaml", "train:\n  steps: 3\ntrain:\n  seed: 1\n")
+    aliases = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    aliases += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    write("bomb.yaml", "\n".join([*aliases, "train:", "  steps: *a8", ""]))
+    write("deep.yaml", "[" * 100_000)
+    write("accum.yaml", "train:\n  batch_size: 6\n  grad_accum_steps: 4\n")
+    write("seqlen.yaml", "train:\n  seq_len: 512\nmodel:\n  max_seq_len: 256\n")
+    write("file_as_output", "not a directory")
+    write("output_is_file.yaml", yaml.safe_dump({"output_dir": str(root / "file_as_output")}))
+    write(
+        "nodata.yaml", yaml.safe_dump({"data": {"source": "text", "path": str(root / "none.txt")}})
+    )
+    (root / "loop").symlink_to(root / "loop")
+    run = write_run(root / "run", steps=(2,))
+    notes = root / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep me")
+    export_hf(run, root / "export", layout="modelopt")
+    (root / "short.safetensors").write_bytes(b"abc")
+    nested = b"[" * 200_000
+    (root / "nested.safetensors").write_bytes(struct.pack("<Q", len(nested)) + nested)
+    with open(root / "bigheader.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", 82 * 2**20))
+        f.truncate(8 + 82 * 2**20)
+    good = root / "export" / "model.safetensors"
+    (root / "truncated.safetensors").write_bytes(good.read_bytes()[:-100])
+    (root / "empty_dir").mkdir()
+    return root
+
+
+# (tool, argv with {root}, exit code, message fragment)
+CLI_ROWS = [
+    ("train", ["run", "{root}/missing.yaml"], 2, "cannot read config file"),
+    ("train", ["run", "{root}"], 2, "cannot read config file"),
+    ("train", ["run", "{root}/notyaml.yaml"], 2, "is not valid YAML"),
+    ("train", ["run", "{root}/list.yaml"], 2, "a config must be a YAML mapping"),
+    (
+        "train",
+        ["run", "{root}/unknown.yaml"],
+        2,
+        "unknown config key 'trian' (did you mean 'train'?)",
+    ),
+    ("train", ["run", "{root}/wrongtype.yaml"], 2, "train.steps: expected int, got 'ten'"),
+    ("train", ["run", "{root}/inf.yaml"], 2, "optimizer.learning_rate: expected a finite number"),
+    ("train", ["run", "{root}/nan.yaml"], 2, "expected a finite number, got nan"),
+    ("train", ["run", "{root}/dup.yaml"], 2, "duplicate key 'train' at line 3"),
+    ("train", ["run", "{root}/bomb.yaml"], 2, "once its aliases (*name) are expanded"),
+    ("train", ["run", "{root}/deep.yaml"], 2, "nested too deeply"),
+    ("train", ["run", "{root}/accum.yaml"], 2, "must be a multiple of train.grad_accum_steps"),
+    ("train", ["run", "{root}/seqlen.yaml"], 2, "train.seq_len must be <= model.max_seq_len"),
+    ("train", ["run", "{root}/output_is_file.yaml"], 2, "is a file, not a directory"),
+    ("train", ["run", "{root}/nodata.yaml", "output_dir={root}/o"], 2, "none.txt"),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "train.steps"],
+        2,
+        "must look like section.key=value",
+    ),
+    ("train", ["show-config", "{root}/ok.yaml", "output_dir.x=1"], 2, "output_dir: expected str"),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "train.steps=3", "train.steps.x=1"],
+        2,
+        "is a value, not a section",
+    ),
+    ("train", ["show-config", "{root}/dup.yaml"], 2, "duplicate key"),
+    ("train", ["show-config", "{root}/missing.yaml"], 2, "cannot read config file"),
+    ("train", ["show-config", "{root}/list.yaml"], 2, "YAML mapping"),
+    ("train", ["run", "{root}/missing.yaml"], 2, "No such file or directory"),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "optimizer.learning_rate=.inf"],
+        2,
+        "expected a finite number",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "precison.recipe=nvfp4"],
+        2,
+        "unknown config key 'precison' (did you mean 'precision'?)",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "precision.recipe=nvfp5"],
+        2,
+        "unknown recipe 'nvfp5'",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "precision.backend=cuda"],
+        2,
+        "precision.backend must be",
+    ),
+    ("train", ["show-config", "{root}/ok.yaml", "train.steps=-1"], 2, "train.steps must be >= 1"),
+    ("train", ["show-config", "{root}/ok.yaml", "train.stop_after_nonfinite=-1"], 2, ">= 0"),
+    ("train", ["show-config", "{root}/loop"], 2, "Too many levels of symbolic links"),
+    ("train", ["eval", "{root}/notes"], 2, "is not a run directory"),
+    ("train", ["eval", "{root}/missing_run"], 2, "is not a run directory"),
+    (
+        "train",
+        ["plot", "--quant", "{root}/notes", "{root}/run"],
+        2,
+        "plot --quant takes one RUN_DIR",
+    ),
+    ("export", ["hf", "{root}/missing", "{root}/o1", "--layout", "modelopt"], 2, "does not exist"),
+    (
+        "export",
+        ["hf", "{root}/loop", "{root}/o2", "--layout", "modelopt"],
+        2,
+        "a loop of symbolic links",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/run", "--layout", "modelopt", "--overwrite"],
+        2,
+        "would overwrite the checkpoint it is exported from",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/run/checkpoints", "--layout", "modelopt", "--overwrite"],
+        2,
+        "would overwrite the checkpoint",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}", "--layout", "modelopt", "--overwrite"],
+        2,
+        "would overwrite the checkpoint",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/notes", "--layout", "modelopt", "--overwrite"],
+        2,
+        "is not an nvfp4-export export",
+    ),
+    ("export", ["hf", "{root}/run", "{root}/export", "--layout", "modelopt"], 2, "already exists"),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/o3", "--layout", "modelopt", "--step", "7"],
+        2,
+        "no checkpoint at step 7",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run/checkpoints/2", "{root}/o4", "--layout", "modelopt", "--step", "3"],
+        2,
+        "does not match the step directory",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/o5", "--layout", "modelopt", "--max-shard-bytes", "0"],
+        2,
+        "max_shard_bytes must be >= 1",
+    ),
+    (
+        "export",
+        ["hf", "{root}/notes", "{root}/o6", "--layout", "modelopt"],
+        2,
+        "no checkpoint under",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/file_as_output/x", "--layout", "modelopt"],
+        2,
+        "does not exist",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/o7", "--layout", "modelopt", "--calibrate", "2"],
+        2,
+        "calibration",
+    ),
+    (
+        "export",
+        ["onnx", "{root}/run", "{root}/notes/mine.txt", "--overwrite"],
+        2,
+        "is not an nvfp4-export export",
+    ),
+    ("export", ["verify", "{root}/notes"], 2, "lacks config.json"),
+    ("export", ["verify", "{root}/model.onnx"], 2, "needs --against"),
+    ("format", ["inspect", "{root}/missing.safetensors"], 2, "no such file or directory"),
+    ("format", ["inspect", "{root}/loop"], 2, "a loop of symbolic links"),
+    ("format", ["inspect", "{root}/short.safetensors"], 2, "shorter than the 8-byte header"),
+    ("format", ["inspect", "{root}/nested.safetensors"], 2, "nested too deeply"),
+    ("format", ["inspect", "{root}/bigheader.safetensors"], 2, "exceeds the 16777216-byte limit"),
+    ("format", ["inspect", "{root}/truncated.safetensors"], 2, "truncated"),
+    ("format", ["inspect", "{root}/empty_dir"], 2, "no model.safetensors.index.json"),
+    ("format", ["inspect", "{root}/list.yaml"], 2, "not a safetensors file?"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, code, fragment", CLI_ROWS, ids=lambda v: None)
+def test_a_bad_command_line_is_one_clear_error(place, capsys, tool, argv, code, fragment):
+    argv = [a.replace("{root}", str(place)) for a in argv]
+    before = {p: p.stat().st_mtime_ns for p in (place / "run").rglob("*") if p.is_file()}
+    assert TOOLS[tool](argv) == code
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert fragment in text, text[-2000:]
+    assert "Traceback" not in text
+    after = {p: p.stat().st_mtime_ns for p in (place / "run").rglob("*") if p.is_file()}
+    assert after == before  # the run a bad command names is never touched
+    assert (place / "notes" / "mine.txt").read_text() == "keep me"
+
+
+E4M3 = np.dtype(nf.nvfp4.ml_dtypes.float8_e4m3fn)
+X = np.ones((4, 16), np.float32)
+API_ROWS = [
+    (lambda: nf.quantize([1.0] * 16), TypeError, "x must be a NumPy or JAX array"),
+    (lambda: nf.quantize(np.ones((4, 100), np.float32)), ValueError, "multiple of 16"),
+    (lambda: nf.quantize(np.ones((4, 16), np.int32)), TypeError, "floating dtype"),
+    (lambda: nf.quantize(X, (16, 16)), ValueError, "rows (x.shape[-2]) a multiple of 16"),
+    (lambda: nf.quantize(np.full((4, 16), np.nan, np.float32)), ValueError, "non-finite"),
+    (lambda: nf.quantize(X, rounding="stochastic"), ValueError, "needs uniform"),
+    (lambda: nf.quantize(X, rounding="floor"), ValueError, "rounding must be"),
+    (
+        lambda: nf.NVFP4Array(
+            np.zeros((4, 8), np.uint8), np.zeros((1, 1), E4M3), np.float32(1), (4, 16)
+        ),
+        ValueError,
+        "block_scales must have shape (4, 1)",
+    ),
+    (
+        lambda: nf.MXFP4Array(np.zeros((4, 16), np.uint8), np.zeros((4, 2), np.uint8), (4, 32)),
+        ValueError,
+        "scales must have shape (4, 1)",
+    ),
+    (lambda: nf.dequantize(X), TypeError, "NVFP4Array"),
+    (
+        lambda: nvfp4_ops.dot_general(X, X.T, (((1,), (0,)), ((), ())), recipe="nvfp4"),
+        ValueError,
+        "needs a PRNG key",
+    ),
+    (
+        lambda: nvfp4_ops.dot_general(X, X.T, (((1,), (0,)), ((), ())), recipe="nvfp5"),
+        ValueError,
+        "unknown recipe",
+    ),
+    (
+        lambda: nvfp4_ops.dot_general(X, X, (((1,), (0,)), ((), ())), recipe="bf16"),
+        TypeError,
+        "dot_general requires contracting dimensions to have the same shape",
+    ),
+    (
+        lambda: nvfp4_ops.dot_general(
+            X, X.T, (((1,), (0,)), ((), ())), recipe="nvfp4-no-sr", backend="cuda"
+        ),
+        ValueError,
+        "backend must be 'auto' or one of",
+    ),
+    (
+        lambda: (
+            nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop() and nvfp4_ops.Recipe(hadamard_size=12)
+        ),
+        ValueError,
+        "hadamard_size must be a power of two",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, fragment", API_ROWS, ids=lambda v: None)
+def test_a_bad_python_call_is_a_typed_error_naming_the_problem(call, error, fragment):
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+def test_export_api_refuses_to_replace_what_it_did_not_write(place):
+    with pytest.raises(ExportError, match="pass overwrite=True"):
+        export_hf(place / "run", place / "export", layout="modelopt")
+    with pytest.raises(ExportError, match="is not an nvfp4-export export"):
+        export_hf(place / "run", place / "notes", layout="modelopt", overwrite=True)
+    assert (place / "notes" / "mine.txt").read_text() == "keep me"
+
+
+def test_the_sweep_still_exercises_every_tool():
+    assert {row[0] for row in CLI_ROWS} == {"train", "export", "format"}
+    assert len(CLI_ROWS) + len(API_ROWS) >= 70
+
+
+def test_ops_doctor_json_needs_verify(capsys):
+    with pytest.raises(SystemExit) as info:
+        ops_main(["doctor", "--json", "x.json"])
+    assert info.value.code == 2 and "--json needs --verify" in capsys.readouterr().err
+
+
+def test_corrupt_and_tampered_checkpoints_are_refused_by_export(place, tmp_path, capsys):
+    run = shutil.copytree(place / "run", tmp_path / "run")
+    params = [p for p in (run / "checkpoints" / "2" / "params").rglob("*") if p.is_file()]
+    for p in params:
+        p.write_bytes(b"garbage")
+    assert export_main(["hf", str(run), str(tmp_path / "o"), "--layout", "modelopt"]) == 2
+    assert "cannot be read" in capsys.readouterr().err
