@@ -95,7 +95,7 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         rows = []
         for layout in ("modelopt", "compressed-tensors"):
-            result = export_hf(work / "run", work / layout, layout=layout)
+            result = export_hf(work / "run", work / layout, layout=layout, weight_only=True)
             rows.append({"layout": layout, "seconds": round(result.seconds, 1),
                          "bytes": result.total_bytes, "bf16_modules": len(result.plan.excluded)})  # fmt: skip
             shutil.rmtree(work / layout)

@@ -42,26 +42,41 @@ def test_invariants_metadata_and_exclusions(exports):
     for path in exports.values():
         loaded = load_export(path)
         assert layout_problems(loaded) == []
-        assert not loaded.provenance["w4a4"]
+        assert loaded.provenance["w4a4"]  # training's activation amaxes give the input scales
     hq = json.loads((exports["modelopt"] / "hf_quant_config.json").read_text())
     q = hq["quantization"]
-    assert (
-        q["quant_algo"] == "W4A16_NVFP4"
-        and q["group_size"] == 16
-        and q["kv_cache_quant_algo"] is None
-    )
-    assert (
-        q["exclude_modules"][0] == "lm_head"
-        and "model.layers.0.mlp.down_proj" in q["exclude_modules"]
-    )
-    assert "model.layers.1.mlp.down_proj" not in q["exclude_modules"]
+    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and q["kv_cache_quant_algo"] is None
+    excluded = q["exclude_modules"]
+    assert excluded[0] == "lm_head" and "model.layers.0.mlp.down_proj" in excluded
+    assert "model.layers.1.mlp.down_proj" not in excluded
+    # the fully BF16 blocks 0 and 3 are also listed by the fused names servers build
+    for i in (0, 3):
+        assert f"model.layers.{i}.self_attn.qkv_proj" in excluded
+        assert f"model.layers.{i}.mlp.gate_up_proj" in excluded
+    assert not [m for m in excluded if "*" in m or "layers.1." in m or "layers.2." in m]
+    cfg = json.loads((exports["modelopt"] / "config.json").read_text())
+    assert cfg["quantization_config"]["ignore"] == excluded
     cfg = json.loads((exports["compressed-tensors"] / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized"
-    assert qc["config_groups"]["group_0"]["input_activations"] is None
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] == "local"
+    assert "qkv_proj" not in json.dumps(qc["ignore"])  # transformers names q/k/v separately
     assert "scale_dtype" not in json.dumps(qc)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["eos_token_id"] == 256
     assert (exports["compressed-tensors"] / "tokenizer.json").is_file()
+
+
+def test_weight_only_modelopt_must_be_asked_for(tmp_path, capsys):
+    run = write_run(tmp_path / "run", quant_stats=None)  # a checkpoint without statistics
+    with pytest.raises(ExportError, match=r"Pass --calibrate N .* or --weight-only"):
+        export_hf(run, tmp_path / "mo", layout="modelopt")
+    assert not (tmp_path / "mo").exists()
+    asked = export_hf(run, tmp_path / "mo", layout="modelopt", weight_only=True)
+    quant = json.loads((asked.out_dir / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "W4A16_NVFP4"
+    said = []
+    ct = export_hf(run, tmp_path / "ct", layout="compressed-tensors", log=said.append)
+    assert not ct.plan.w4a4 and any(s.startswith("warning: ") and "WEIGHT-ONLY" in s for s in said)
 
 
 def test_a_broken_invariant_is_reported(exports, tmp_path):

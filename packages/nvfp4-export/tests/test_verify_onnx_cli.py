@@ -99,7 +99,7 @@ def test_onnx_portable_runs_on_onnxruntime_and_dq_form_checks(tiny_run, tmp_path
 def test_cli_export_verify_and_errors(tiny_run, tmp_path, capsys):
     out = tmp_path / "mo"
     assert main(["hf", str(tiny_run), str(out), "--layout", "modelopt", "--step", "2"]) == 0
-    assert "weight-only" in capsys.readouterr().out
+    assert "W4A4" in capsys.readouterr().out
     assert main(["verify", str(out), "--against", str(tiny_run)]) == 0
     assert "result: OK" in capsys.readouterr().out
     assert main(["hf", str(tiny_run), str(out), "--layout", "modelopt"]) == 2

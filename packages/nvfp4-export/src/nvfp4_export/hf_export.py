@@ -12,6 +12,7 @@ import numpy as np
 
 from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
 from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
+from nvfp4_export.errors import ExportError
 from nvfp4_export.hf_files import (
     copy_tokenizer,
     generation_config,
@@ -99,13 +100,33 @@ def _input_amax(
     return stats, ("quant_stats" if stats else None)
 
 
-def _weight_only_note(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
+def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
+    """Refuse, or warn about, a weight-only export nobody asked for.
+
+    Without activation amax (no `quant_stats` in the checkpoint, no --calibrate) an NVFP4 export
+    can only be weight-only. ModelOpt's W4A16_NVFP4 is refused by SGLang and by vLLM releases
+    whose QUANT_ALGOS lack it, so that is an error unless --weight-only says it is meant;
+    compressed-tensors weight-only loads in transformers and vLLM, so that is a warning.
+
+    Raises:
+        ExportError: a ModelOpt export would silently become W4A16_NVFP4.
+    """
     if plan.fmt != "nvfp4" or plan.w4a4 or weight_only:
         return ()
+    why = (
+        "the checkpoint has no quant_stats.activation_amax for every NVFP4 linear and "
+        "--calibrate was not given, so there are no input scales"
+    )
+    if plan.layout == "modelopt":
+        raise ExportError(
+            f"{why}: a W4A4 ModelOpt export (quant_algo NVFP4) needs them. Pass --calibrate N "
+            "(input scales from N sequences of the run's validation data), or --weight-only "
+            "for W4A16_NVFP4, which SGLang and older vLLM releases refuse (docs/export.md)"
+        )
     return (
-        "no activation amax for every NVFP4 linear (the checkpoint has no quant_stats."
-        "activation_amax and --calibrate was not given): exported WEIGHT-ONLY (W4A16, no "
-        "input scales); servers run W4A16 (e.g. vLLM's Marlin path)",
+        f"{why}: exported WEIGHT-ONLY (W4A16, no input scales); vLLM and transformers load it, "
+        "vLLM runs it W4A16 (Marlin). Pass --calibrate N for W4A4, or --weight-only to say "
+        "weight-only is meant",
     )
 
 
@@ -176,7 +197,8 @@ def export_hf(
         log: receives progress messages and notes.
 
     Raises:
-        ExportError: bad checkpoint, layout, dimensions or output path (nothing is left behind).
+        ExportError: bad checkpoint, layout, dimensions or output path, or a ModelOpt export
+            without input scales that was not asked to be weight-only (nothing is left behind).
 
     Example:
         >>> export_hf("runs/tiny", "runs/tiny-hf", layout="compressed-tensors")  # doctest: +SKIP
@@ -197,13 +219,13 @@ def export_hf(
         kernel = ckpt.params[f"{path}.kernel"]
         linears += export_linear(spec, path, kernel, recipes[path], amax.get(path))
     plan = plan_layout(layout, linears, weight_only=weight_only)
+    notes = _weight_only_fallback(plan, weight_only)  # before writing anything
     provenance = _provenance(ckpt, spec, recipes, amax, source, plan)
     with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:
         files = _write_dir(tmp, ckpt, spec, linears, plan, provenance, max_shard_bytes)
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
-    notes = _weight_only_note(plan, weight_only)
     for note in notes:
-        log("note: " + note)
+        log("warning: " + note)
     return ExportResult(
         out_dir, ckpt.ref.step, plan, source if plan.w4a4 else None, tuple(files), total,
         time.perf_counter() - start, notes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from nvfp4_export.hf_files import INDEX_FILE
+from nvfp4_export.layouts import fused_exclusions
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.reload import LoadedExport
 
@@ -124,8 +125,11 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
     if not hq or "producer" not in (loaded.hf_quant_config or {}):
         return problems + ["hf_quant_config.json missing, or without producer/quantization"]
     problems += [f"hf_quant_config.json lacks {k}" for k in _MODELOPT_KEYS if k not in hq]
-    if sorted(hq.get("exclude_modules", [])) != sorted(excluded):
-        problems.append("exclude_modules does not list exactly the BF16 modules")
+    expected = sorted([*excluded, *fused_exclusions(tuple(excluded))])
+    if sorted(hq.get("exclude_modules", [])) != expected:
+        problems.append(
+            "exclude_modules does not list exactly the BF16 modules and their fused groups"
+        )
     if (
         not qc
         or qc.get("quant_method") != "modelopt"

@@ -65,6 +65,38 @@ def plan_layout(layout: str, linears: list[ExportedLinear], *, weight_only: bool
     return LayoutPlan(layout, fmt, w4a4, excluded)
 
 
+FUSED_MODULES = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+"""The modules servers fuse (their name, then the checkpoint modules they load into them)."""
+
+
+def fused_exclusions(excluded: tuple[str, ...]) -> tuple[str, ...]:
+    """The fused module names (`model.layers.<i>.self_attn.qkv_proj`, `...mlp.gate_up_proj`)
+    whose every part is in `excluded`.
+
+    SGLang matches `exclude_modules` against the fused layers it builds (regex fullmatch, no
+    fused-module mapping for Llama), as do vLLM releases before its fused-aware
+    `is_layer_skipped`: listing only `q_proj`, `k_proj`, `v_proj` makes them build an NVFP4
+    `qkv_proj` and fail on the BF16 weights. Exact names only: a wildcard such as
+    `model.layers.1*` would also match layers 10 to 19.
+    """
+    names, fused = set(excluded), []
+    for module in excluded:
+        for fused_name, parts in FUSED_MODULES:
+            if module.endswith("." + parts[0]):
+                prefix = module[: -len(parts[0])]
+                if all(prefix + part in names for part in parts):
+                    fused.append(prefix + fused_name)
+    return tuple(fused)
+
+
+def modelopt_exclusions(plan: LayoutPlan) -> list[str]:
+    """ModelOpt's `exclude_modules`: the BF16 modules, then the fused names of fully BF16 groups."""
+    return [*plan.excluded, *fused_exclusions(plan.excluded)]
+
+
 def _scalar(x: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, x, dtype=np.float32)
 
@@ -130,7 +162,7 @@ def hf_quant_config(plan: LayoutPlan) -> dict | None:
     if plan.layout != "modelopt":
         return None
     quantization = {"quant_algo": _modelopt_algo(plan), "kv_cache_quant_algo": None}
-    quantization |= {"group_size": 16, "exclude_modules": list(plan.excluded)}
+    quantization |= {"group_size": 16, "exclude_modules": modelopt_exclusions(plan)}
     return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
@@ -147,8 +179,8 @@ def quantization_config(plan: LayoutPlan) -> dict:
         "quant_algo": _modelopt_algo(plan),
         "kv_cache_quant_algo": None,
         "group_size": 16,
-        "exclude_modules": list(plan.excluded),
+        "exclude_modules": modelopt_exclusions(plan),
         "config_groups": {"group_0": group},
-        "ignore": list(plan.excluded),
+        "ignore": modelopt_exclusions(plan),
         "producer": dict(PRODUCER),
     }

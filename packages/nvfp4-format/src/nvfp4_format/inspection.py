@@ -1,6 +1,6 @@
 """Finds FP4-quantized linears in safetensors checkpoints and measures them.
 
-Three on-disk layouts are recognised (names and dtypes from ``shared/spec/export-formats.md``):
+Three on-disk layouts are recognised (names and dtypes from ``docs/spec/export-formats.md``):
 
 | layout | tensors of module ``<m>`` |
 |---|---|
