@@ -102,7 +102,7 @@ def test_an_order_is_tried_left_to_right(host):
 def test_each_fallback_reason_is_logged_once(host, caplog):
     host()
     batched = Call(get_recipe("nvfp4"), batch=2)
-    with caplog.at_level(logging.WARNING, logger="nvfp4_ops"):
+    with caplog.at_level(logging.INFO, logger="nvfp4_ops"):
         for _ in range(3):
             select_backend("auto", batched)
         select_backend("auto", Call(get_recipe("nvfp4")))  # te: no fallback, no message
@@ -111,6 +111,15 @@ def test_each_fallback_reason_is_logged_once(host, caplog):
     assert len(messages) == 2, messages
     assert "uses 'emulated'" in messages[0] and "batch of 2" in messages[0]
     assert "every role to NVFP4" in messages[1]
+    assert {r.levelno for r in caplog.records} == {logging.INFO}  # expected on a CPU
+
+
+def test_fallback_on_a_gpu_is_a_warning(host, caplog, monkeypatch):
+    host(gpu=True)
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.INFO, logger="nvfp4_ops"):
+        select_backend("auto", Call(get_recipe("nvfp4"), batch=2))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
 def test_dot_general_falls_back_per_call(host):

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import nvfp4_ops
-from nvfp4_train.backend_check import trusted_backend
+from nvfp4_train.backend_check import backend_line, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import ConfigError, config_from_dict
 from nvfp4_train.errors import RunError
@@ -46,6 +46,19 @@ def test_auto_on_cpu_has_nothing_to_verify():
         pytest.skip("a host with another backend than emulated for auto")
     assert trusted_backend(PrecisionConfig(), {"nvfp4"}, said.append) == "auto"
     assert said == []
+
+
+def test_backend_line_names_what_runs_and_why_not_the_rest(monkeypatch):
+    caps = {"emulated": (True, "pure JAX"), "xla": (True, "ok"), "te": (False, "no TE here")}
+    monkeypatch.setattr(nvfp4_ops, "backend_capabilities", lambda: caps)
+    monkeypatch.setattr(nvfp4_ops, "auto_order", lambda: ("te", "xla", "emulated"))
+    assert backend_line("auto") == (
+        "ops backend: precision.backend=auto -> xla, emulated (not here: te: no TE here)"
+    )
+    assert backend_line("xla") == "ops backend: precision.backend=xla -> xla"
+    assert backend_line("te,emulated") == (
+        "ops backend: precision.backend=te,emulated -> emulated (not here: te: no TE here)"
+    )
 
 
 def test_an_unavailable_named_backend_is_a_config_error():

@@ -158,9 +158,11 @@ def unsupported(backend: str, call: Call) -> str | None:
 
 @functools.cache
 def _note(pick: str, skipped: tuple[tuple[str, str], ...]) -> None:
-    """Log once per distinct choice why "auto" passed over better backends."""
+    """Log once per distinct choice why "auto" passed over better backends: a warning on a GPU
+    (where a native backend was expected to run), information elsewhere."""
     reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
-    log.warning("nvfp4_ops: backend='auto' uses %r for this call (%s)", pick, reasons)
+    level = logging.WARNING if jax.default_backend() == "gpu" else logging.INFO
+    log.log(level, "nvfp4_ops: backend='auto' uses %r for this call (%s)", pick, reasons)
 
 
 def select_backend(backend: str | tuple[str, ...], call: Call) -> str:

@@ -75,3 +75,18 @@ def trusted_backend(
         "(precision.verify_backend=strict stops instead)"
     )
     return chosen
+
+
+def backend_line(backend: str) -> str:
+    """One line saying which ops backends the quantized GEMMs may use here, and why not others.
+
+    A backend that is available may still pass a call on to the next one it cannot run (a shape,
+    a recipe): nvfp4_ops logs each such reason once.
+    """
+    order = _order(backend_spec(backend))
+    caps = nvfp4_ops.backend_capabilities()
+    usable = ", ".join(b for b in order if caps[b][0]) or "none"
+    absent = "; ".join(f"{b}: {caps[b][1]}" for b in order if not caps[b][0])
+    return f"ops backend: precision.backend={backend} -> {usable}" + (
+        f" (not here: {absent})" if absent else ""
+    )

@@ -26,7 +26,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nvfp4_train.backend_check import trusted_backend
+from nvfp4_ops import get_recipe
+from nvfp4_train.backend_check import backend_line, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from nvfp4_train.data import make_datasets
@@ -213,6 +214,8 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
 def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
     """`cfg` with the backends that disagree with "emulated" here left out (`backend_check`)."""
     names = set(layer_recipe_names(cfg.model, cfg.precision).values())
+    if any(get_recipe(n).quantized for n in names):
+        say(backend_line(cfg.precision.backend))
     backend = trusted_backend(cfg.precision, names, say)
     if backend == cfg.precision.backend:
         return cfg
@@ -251,6 +254,7 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
     iterator = datasets.train_iterator()
     mesh = make_mesh(cfg.mesh, jax.devices())
     written = cfg  # config.yaml keeps precision.backend as configured
+    say(f"run directory: {run_dir.resolve()}")
     cfg = _with_trusted_backend(cfg, say)
     with _checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
@@ -259,7 +263,6 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
         if jax.process_index() == 0:
             (run_dir / CONFIG_FILE).write_text(to_yaml(written))
             datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
-        say(f"run directory: {run_dir.resolve()}")
         say(
             f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
             f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
