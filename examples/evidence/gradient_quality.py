@@ -368,7 +368,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", default="docs/evidence", help="where gradients.{json,md,png} go")
+    p.add_argument(
+        "--out-dir", default="runs/evidence",
+        help="where gradients.{json,md,png} go (pass docs/evidence to refresh the committed ones)",
+    )  # fmt: skip
     p.add_argument(
         "--draws", type=int, default=32, help="stochastic-rounding keys per linear (64: ~2x time)"
     )

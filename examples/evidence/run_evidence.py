@@ -4,11 +4,12 @@ Every (variant, seed) is one `nvfp4-train run` of `evidence.yaml` with the varia
 `train.seed=<seed>` (the seed fixes both the initial weights and the data order, so runs of the same
 seed see the same batches) and `output_dir=<runs-dir>/<variant>-s<seed>`. Finished runs are
 skipped, interrupted ones resume, so rerunning the command only adds what is missing. At the end the
-script writes `docs/evidence.json` (one row per variant), `docs/evidence/table.md` and
-`docs/evidence/loss-curves.png`. The full-recipe runs log quantization telemetry every
-`--quant-stats-every` steps (it only observes: the train step is the same); the heat maps of the
-first of them that has it become `docs/evidence/quant-heatmap.png` (relative error) and
-`docs/evidence/quant-underflow.png`.
+script writes, under `--out-dir` (default: the runs directory, so that the committed results in
+docs/ are only replaced on purpose, with `--out-dir docs`), `evidence.json` (one row per variant),
+`evidence/table.md` and `evidence/loss-curves.png`. The full-recipe runs log quantization telemetry
+every `--quant-stats-every` steps (it only observes: the train step is the same); the heat maps of
+the first of them that has it become `evidence/quant-heatmap.png` (relative error) and
+`evidence/quant-underflow.png`.
 
     python examples/evidence/run_evidence.py                 # CPU size: 23 runs, ~1.5 h on 2 cores
     python examples/evidence/run_evidence.py --jobs 1 --seeds 5 --ablation-seeds 3
@@ -105,7 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=HERE / "evidence.yaml")
     p.add_argument("--runs-dir", type=Path, default=Path("runs/evidence"))
     p.add_argument(
-        "--out-dir", type=Path, default=Path("docs"), help="where evidence.json and evidence/ go"
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where evidence.json and evidence/ go (default: the runs directory; pass docs to "
+        "refresh the committed results)",
     )
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", type=int, default=3, help=f"seeds of {', '.join(MAIN_VARIANTS)}")
@@ -236,12 +241,13 @@ def write_outputs(args: argparse.Namespace, steps: int) -> list[dict]:
     rows, curves = collect(args.runs_dir, args.variants, seeds_of(args), steps, stable_step)
     if not any(r["name"] == BASELINE for r in rows):
         raise SystemExit(f"no finished {BASELINE} run in {args.runs_dir}: nothing to compare with")
-    out = args.out_dir / "evidence"
+    out_dir = args.out_dir if args.out_dir is not None else args.runs_dir
+    out = out_dir / "evidence"
     out.mkdir(parents=True, exist_ok=True)
     for row in rows:
         row["description"] = VARIANTS[row["name"]][0]
     add_cross_eval(args, rows, steps)
-    (args.out_dir / "evidence.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out_dir / "evidence.json").write_text(json.dumps(rows, indent=1) + "\n")
     table = markdown_table(rows, {v: d for v, (d, _) in VARIANTS.items()})
     table += "\n" + cross_eval_table(rows)
     (out / "table.md").write_text(table)

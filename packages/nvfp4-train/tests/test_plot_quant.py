@@ -108,7 +108,8 @@ def test_cli_plot_quant(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == f"wrote {out}"
     monkeypatch.chdir(tmp_path)
     assert main(["plot", "--quant", "run"]) == 0
-    assert (tmp_path / "quant.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "run" / "quant.png").read_bytes().startswith(PNG_MAGIC)
+    assert not (tmp_path / "quant.png").exists()
 
 
 @pytest.mark.parametrize(

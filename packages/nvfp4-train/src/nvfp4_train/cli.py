@@ -4,8 +4,10 @@
     nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
+                                                         (default: RUN_DIR/loss.png)
     nvfp4-train plot --quant RUN_DIR [-o quant.png] [--stat rel_error]
                                                          quantization telemetry heat maps
+                                                         (default: RUN_DIR/quant.png)
 
 A user mistake (bad config, missing file, wrong run directory) prints one `error:` line and exits 2;
 a run that cannot go on (`RunError`) prints one and exits 1. Set NVFP4_TRAIN_DEBUG=1 to see the
@@ -58,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     plot.add_argument(
-        "-o", "--output", type=Path, default=None, help="PNG path (loss.png, or quant.png)"
-    )
+        "-o", "--output", type=Path, default=None,
+        help="PNG path (default: loss.png, or quant.png, in the first RUN_DIR)",
+    )  # fmt: skip
     plot.add_argument(
         "--smoothing", type=float, default=0.6, help="EMA weight of the train loss, in [0, 1)"
     )
@@ -104,10 +107,11 @@ def _plot(args: argparse.Namespace) -> int:
         if len(args.run_dirs) != 1:
             names = " ".join(str(d) for d in args.run_dirs)
             raise ValueError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
-        output = args.output or Path("quant.png")
+        output = args.output or args.run_dirs[0] / "quant.png"
         path = plot_quant(args.run_dirs[0], output, stat=args.stat)
     else:
-        path = plot_runs(args.run_dirs, args.output or Path("loss.png"), smoothing=args.smoothing)
+        output = args.output or args.run_dirs[0] / "loss.png"
+        path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
     print(f"wrote {path}")
     return 0
 
