@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from nvfp4_ops.gemm import GEMMS
 from nvfp4_ops.hadamard import hadamard_transform
@@ -32,6 +33,10 @@ from nvfp4_ops.quantizers import quantize_operand
 from nvfp4_ops.recipe import Recipe, TensorQuant
 
 KEY_SLOTS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+RESIDUAL_NAME = "nvfp4_residual"
+"""`jax.ad_checkpoint.checkpoint_name` of every array saved for the backward pass (the quantized
+Wgrad input and Dgrad weight: packed codes, block scales, global scale), so that a remat policy
+can keep exactly these, e.g. `jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +140,12 @@ def _fwd(x, w, key, cfg: GemmConfig):
     with jax.named_scope("nvfp4/save_residuals"):
         qw_dgrad = qw if reuse else quantize_operand(w, wq, keys["dgrad_w"])
         qxt = _wgrad_input(x, recipe, keys["wgrad_x"])
-    return y, (qxt, qw_dgrad, key)
+    return y, (*named_residuals((qxt, qw_dgrad)), key)
+
+
+def named_residuals(tree: Any) -> Any:
+    """`tree` with every array leaf named `RESIDUAL_NAME` for remat policies (values unchanged)."""
+    return jax.tree.map(lambda a: checkpoint_name(a, RESIDUAL_NAME), tree)
 
 
 def _bwd(cfg: GemmConfig, residuals, dy):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_ops.canonical import Layout, from_canonical, pad_to, to_canonical
-from nvfp4_ops.qdot import split_keys
+from nvfp4_ops.qdot import named_residuals, split_keys
 from nvfp4_ops.recipe import Recipe
 
 TE_MIN_VERSION = (2, 14)
@@ -227,12 +227,8 @@ def _te_fwd(x_mk, w_kn, key, call: _TeCall):
         casted_w.get_tensor(usage=usage.RHS),
         contracting_dims=((1,), (0,)),
     )
-    residuals = (
-        casted_x.get_tensor(usage=usage.LHS_TRANS),
-        casted_w.get_tensor(usage=usage.RHS_TRANS),
-        key,
-    )
-    return y, residuals
+    saved = (casted_x.get_tensor(usage=usage.LHS_TRANS), casted_w.get_tensor(usage=usage.RHS_TRANS))
+    return y, (*named_residuals(saved), key)
 
 
 def _te_bwd(call: _TeCall, residuals, dy_mn):
