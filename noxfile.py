@@ -97,6 +97,13 @@ def train(session: nox.Session) -> None:
     """nvfp4-train with its declared dependencies."""
     session.install(FORMAT, OPS, f"{TRAIN}[test]")
     _pytest(session, "packages/nvfp4-train/tests")
+    # the tests that train multi-block models in-process once more, every such model scanned
+    # (`model.scan_layers: auto` from 2 blocks on); test_scan.py compares the two layouts
+    scanned = ("test_step.py", "test_telemetry.py", "test_precision_schedule.py")
+    session.run(
+        "python", "-m", "pytest", "-q", "--scan-layers-from", "2",
+        *(f"packages/nvfp4-train/tests/{name}" for name in scanned), *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session

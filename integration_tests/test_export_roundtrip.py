@@ -233,3 +233,22 @@ def test_mxfp4_run_exports_mxfp4_pack_quantized_and_verifies(tmp_path):
     assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
     report = verify(result.out_dir, against=run_dir)  # transformers too, when installed
     assert report.ok, report
+
+
+def test_a_scanned_run_exports_one_tensor_per_layer_and_verifies(tmp_path, exports):
+    run_dir = tmp_path / "scanned"
+    cmd = [
+        sys.executable, "-m", "nvfp4_train", "run", str(ROOT / "examples/configs/tiny.yaml"),
+        f"output_dir={run_dir}", "model.scan_layers=true", "model.remat=quantized",
+        "train.steps=2", "train.batch_size=4", "train.seq_len=32", "train.eval_every=2",
+        "checkpoint.every_steps=2", "logging.tensorboard=false", "logging.progress=plain",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = export_hf(run_dir, tmp_path / "mo", layout="modelopt")
+    scanned = load_export(result.out_dir).tensors
+    unscanned = load_export(exports["modelopt"]).tensors
+    assert sorted(scanned) == sorted(unscanned)  # model.layers.{i}..., one tensor per layer
+    assert all(scanned[n].shape == unscanned[n].shape for n in scanned)
+    report = verify(result.out_dir, against=run_dir)
+    assert report.ok, report

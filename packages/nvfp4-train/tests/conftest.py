@@ -12,6 +12,29 @@ from typing import Any
 import pytest
 import yaml
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--scan-layers-from", type=int, default=None, metavar="N",
+        help="run the in-process tests with `model.scan_layers: auto` scanning from N blocks on "
+        "(e.g. 2: every multi-block model of the suite scans); subprocess runs keep the default",
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _scan_layers_from(request):
+    """`--scan-layers-from N`: `nvfp4_train.model.AUTO_SCAN_LAYERS` set to N for the session."""
+    value = request.config.getoption("--scan-layers-from")
+    if value is None:
+        yield
+        return
+    import nvfp4_train.model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nvfp4_train.model, "AUTO_SCAN_LAYERS", value)
+        yield
+
+
 RUN_STEPS = 8
 RUN_SECTIONS = {
     "train": {"log_every": 1, "eval_every": 4},

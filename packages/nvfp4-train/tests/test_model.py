@@ -18,7 +18,7 @@ from nvfp4_train.model import Llama, ModelConfig, linear_paths
 def tiny(**overrides) -> ModelConfig:
     base = dict(
         vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
-        max_seq_len=32,
+        max_seq_len=32, scan_layers=False,  # these tests index blocks; test_scan.py scans
     )  # fmt: skip
     return ModelConfig(**{**base, **overrides})
 

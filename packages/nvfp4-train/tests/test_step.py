@@ -12,8 +12,9 @@ import optax
 import pytest
 
 from nvfp4_train.config import config_from_dict
-from nvfp4_train.model import linear_paths
+from nvfp4_train.model import linear_paths, unstacked
 from nvfp4_train.optim import make_optimizer
+from nvfp4_train.policy import run_layout
 from nvfp4_train.step import (
     TrainState,
     count_params,
@@ -89,8 +90,10 @@ def test_every_recipe_trains_and_loss_falls(recipe):
     assert int(metrics["skipped"]) == 0 and float(metrics["lr"]) == pytest.approx(1e-2)
     assert abs(losses[0] - np.log(256)) < 0.3  # starts near uniform
     assert losses[-1] < losses[0] - 1.0, losses
-    kernel = state.params["layers"]["0"]["mlp"]["down"]["kernel"]
-    assert not np.array_equal(kernel, initial_params["layers"]["0"]["mlp"]["down"]["kernel"])
+    per_layer = run_layout(cfg).to_canonical  # the same test whether the blocks are stacked
+    kernel = per_layer(state.params)["layers"]["0"]["mlp"]["down"]["kernel"]
+    initial_kernel = per_layer(initial_params)["layers"]["0"]["mlp"]["down"]["kernel"]
+    assert not np.array_equal(kernel, initial_kernel)
     assert kernel.dtype == jnp.float32
 
 
@@ -212,7 +215,7 @@ def _linear_inputs(cfg, params, inputs_BxL):
     from nvfp4_train.model import _layer_keys
 
     graphdef, _ = compiled(cfg)
-    model = nnx.merge(graphdef, params)
+    model = unstacked(nnx.merge(graphdef, params))
     block = model.layers["0"]
     keys = _layer_keys(jax.random.fold_in(jax.random.key(cfg.train.seed), 0), 0)
     x_BxLxD = model.embed(inputs_BxL)

@@ -13,8 +13,9 @@ from flax import nnx
 import nvfp4_ops
 from nvfp4_train.config import config_from_dict
 from nvfp4_train.layers import QuantLinear
-from nvfp4_train.model import LINEAR_NAMES, linear_keys, linear_paths
+from nvfp4_train.model import LINEAR_NAMES, linear_keys, linear_paths, unstacked
 from nvfp4_train.optim import make_optimizer
+from nvfp4_train.policy import run_layout
 from nvfp4_train.step import forward_with_amax, init_state, make_train_step
 from nvfp4_train.telemetry import (
     capture_linear_operands,
@@ -54,7 +55,7 @@ def captured(recipe: str = "nvfp4", dtype: str = "bfloat16"):
 
 
 def kernel_of(params, path: str) -> jax.Array:
-    node = params
+    node = run_layout(tiny_cfg()).to_canonical(params)  # the same with stacked blocks
     for part in path.split("."):
         node = node[part]
     return node["kernel"]
@@ -115,7 +116,7 @@ def test_dy_matches_a_finite_difference_of_the_loss():
     v = 0.1 * jax.random.normal(jax.random.key(9), dy.shape, jnp.float32)  # ~5% of the residual
 
     def loss_with_offset(eps):
-        model = nnx.merge(graphdef, state.params)
+        model = unstacked(nnx.merge(graphdef, state.params))
         down = model.layers["1"].mlp.down
         plain = type(down).__call__
         down.__class__ = type("Shifted", (QuantLinear,), {

@@ -9,6 +9,10 @@ model's logits on fixed tokens) and `integrity` (JSON: checksums of every saved 
 saved (`NonFiniteState`); a restored one whose checksums differ, or that holds NaN or Inf, is
 refused (`CorruptCheckpoint`), so a run resumes from the previous checkpoint instead.
 
+Checkpoints are always per layer: with a `layout` that stacks blocks (`model.scan_layers`), the
+parameters and optimizer state are split into their layers on save (one transient copy of them)
+and stacked again on restore, so a checkpoint does not depend on the layout that wrote it.
+
 Example:
     >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
     ...     ckpts.save(100, state, data_iter_state=it.get_state(), config=to_dict(cfg))
@@ -28,12 +32,15 @@ from jax.experimental import multihost_utils
 
 from nvfp4_train.errors import RunError
 from nvfp4_train.integrity import integrity_problems, state_integrity
+from nvfp4_train.stacking import LayerLayout
 
 DATA_ITER_ITEM = "data_iter"
 CONFIG_ITEM = "config"
 QUANT_STATS_ITEM = "quant_stats"
 REFERENCE_ITEM = "reference"
 INTEGRITY_ITEM = "integrity"
+LAYOUT_ITEMS = ("params", "opt_state")
+"""The train-state items stored in the model's layout (stacked blocks); on disk they are per layer."""
 
 
 class NonFiniteState(RunError):
@@ -102,10 +109,18 @@ class Checkpoints:
         keep: how many of the newest checkpoints to keep.
         keep_period: also keep every checkpoint whose step is a multiple of this (0: none).
         async_save: write in a background thread; `wait()` or `close()` finishes pending writes.
+        layout: the blocks the train states passed to `save` and `restore` hold stacked (None:
+            none); on disk every checkpoint is per layer.
     """
 
     def __init__(
-        self, directory: str | Path, *, keep: int, keep_period: int = 0, async_save: bool = False
+        self,
+        directory: str | Path,
+        *,
+        keep: int,
+        keep_period: int = 0,
+        async_save: bool = False,
+        layout: LayerLayout | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -119,6 +134,17 @@ class Checkpoints:
         )
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.layout = layout if layout is not None and layout.scanned else None
+        self._split = jax.jit(self._per_layer) if self.layout else None
+
+    def _per_layer(self, items: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.layout.to_canonical(v) for k, v in items.items()}
+
+    def _on_disk(self, state: NamedTuple) -> NamedTuple:
+        """`state` with its stacked items split per layer (unchanged without a layout)."""
+        if self.layout is None:
+            return state
+        return state._replace(**self._split({k: getattr(state, k) for k in LAYOUT_ITEMS}))
 
     def set_aside(self, step: int) -> Path:
         """Renames the (unreadable) checkpoint of `step` to `<step>.unreadable[-k]`; returns it.
@@ -171,6 +197,7 @@ class Checkpoints:
             reference: `{"tokens": int32 [n, L], "logits": float32 [n, L, V]}`, the model's
                 forward at this checkpoint on fixed sequences (a PyTree item), or None.
         """
+        state = self._on_disk(state)
         integrity = state_integrity(state)
         if not integrity["finite"]:
             kept = self.latest_step()
@@ -205,7 +232,10 @@ class Checkpoints:
         """
         if step not in self.all_steps():
             raise ValueError(f"no checkpoint at step {step}; have steps {self.all_steps()}")
-        targets = jax.tree.map(_restore_target, _state_items(abstract_state))
+        in_layout = jax.tree.map(_restore_target, _state_items(abstract_state))
+        targets = dict(in_layout)
+        if self.layout is not None:
+            targets.update(self._per_layer({k: in_layout[k] for k in LAYOUT_ITEMS}))
         items = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
         items[DATA_ITER_ITEM] = ocp.args.JsonRestore()
         items[CONFIG_ITEM] = ocp.args.JsonRestore()
@@ -220,6 +250,13 @@ class Checkpoints:
         problems = integrity_problems(state, restored[INTEGRITY_ITEM] if has_integrity else None)
         if problems:
             raise CorruptCheckpoint(f"checkpoint of step {step}: {'; '.join(problems)}")
+        if self.layout is not None:
+            shardings = jax.tree.map(lambda t: t.sharding, {k: in_layout[k] for k in LAYOUT_ITEMS})
+            stack = jax.jit(
+                lambda items: {k: self.layout.from_canonical(v) for k, v in items.items()},
+                out_shardings=shardings,
+            )
+            state = state._replace(**stack({k: getattr(state, k) for k in LAYOUT_ITEMS}))
         return Restored(
             step=step,
             state=state,

@@ -10,23 +10,56 @@ Parameter tree (float32 master weights; kernels [in, out]):
     layers.{i}.mlp.down.kernel      [mlp_dim, d_model]
     final_norm.scale                [d_model]
     lm_head.kernel                  [d_model, vocab]   (absent when tie_embeddings)
-Layer indices `i` are string keys "0", "1", ... in the parameter dict.
+Layer indices `i` are string keys "0", "1", ... in the parameter dict. With `scan_layers`, runs of
+blocks that compute alike are stored stacked instead (`layers.{first}-{last}...`, a leading layer
+axis; see `nvfp4_train.stacking`) and run under `jax.lax.scan`; `remat` recomputes each block's
+activations in the backward pass according to a `jax.checkpoint` policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.layers import Block, RMSNorm
+from nvfp4_train.layers import INPUT_AMAX, Block, RMSNorm
+from nvfp4_train.stacking import LayerLayout, runs_of
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 """The quantizable linears of each block, in the order their SR keys are derived (0..3)."""
+BLOCK_PARAMS = (
+    "attn_norm.scale", "attn.qkv.kernel", "attn.o.kernel",
+    "mlp_norm.scale", "mlp.gate_up.kernel", "mlp.down.kernel",
+)  # fmt: skip
+"""Every parameter of a block, relative to `layers.{i}`."""
+AUTO_SCAN_LAYERS = 8
+"""`scan_layers: auto` scans models of at least this many blocks."""
+_NAMES = jax.checkpoint_policies.save_only_these_names(nvfp4_ops.RESIDUAL_NAME)
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "quantized": _NAMES,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _NAMES
+    ),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMES
+    ),
+}
+"""`model.remat` -> the `jax.checkpoint` policy of each block (None: no rematerialisation).
+
+full: keep only each block's input, recompute the rest; quantized: also keep the FP4 operands the
+quantized linears saved for their backward pass (`nvfp4_ops.RESIDUAL_NAME`) and recompute
+everything else (norms, attention, BF16 linears); dots / dots_no_batch: keep the outputs of every
+matmul (without batch dimensions) plus those FP4 operands, recompute the elementwise work.
+"""
 
 
 def _check(ok: bool, key: str, expected: str, actual: object) -> None:
@@ -52,6 +85,13 @@ class ModelConfig:
         tie_embeddings: Use the embedding matrix as the output head.
         init_std: Std of the normal init; `attn.o` and `mlp.down` use init_std / sqrt(2 * num_layers).
         dtype: Compute dtype: "bfloat16", "float32" or "float16" (parameters stay float32).
+        scan_layers: Store each run of >= 2 consecutive blocks with the same recipes stacked and
+            run it under `jax.lax.scan` (compile time then hardly grows with depth): true, false,
+            or "auto" (scan from `AUTO_SCAN_LAYERS` blocks on). Checkpoints stay per-layer, so a
+            run may resume with another setting.
+        remat: Rematerialisation of each block in the backward pass: "none", "full",
+            "quantized", "dots" or "dots_no_batch" (`REMAT_POLICIES`). It changes memory and
+            time, never the numbers.
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -72,6 +112,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: str = "bfloat16"
+    scan_layers: bool | Literal["auto"] = "auto"
+    remat: Literal["none", "full", "quantized", "dots", "dots_no_batch"] = "none"
 
     def __post_init__(self):
         for name in (
@@ -89,6 +131,9 @@ class ModelConfig:
         _check(self.rope_theta > 0, "rope_theta", "> 0", self.rope_theta)
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "> 0", self.rms_norm_eps)
         _check(self.init_std > 0, "init_std", "> 0", self.init_std)
+        _check(self.scan_layers in (True, False, "auto"), "scan_layers", "true, false or 'auto'",
+               self.scan_layers)  # fmt: skip
+        _check(self.remat in REMAT_POLICIES, "remat", f"one of {list(REMAT_POLICIES)}", self.remat)
         _check(
             self.num_heads % self.num_kv_heads == 0,
             "num_kv_heads",
@@ -120,6 +165,13 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.num_heads
 
     @property
+    def scans(self) -> bool:
+        """Whether runs of alike blocks are stacked and scanned (`scan_layers`, "auto" resolved)."""
+        if self.scan_layers == "auto":
+            return self.num_layers >= AUTO_SCAN_LAYERS
+        return bool(self.scan_layers)
+
+    @property
     def compute_dtype(self) -> jnp.dtype:
         """The compute dtype as a JAX dtype."""
         return _DTYPES[self.dtype]
@@ -147,9 +199,59 @@ def linear_paths(cfg: ModelConfig) -> list[str]:
     return [f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in LINEAR_NAMES]
 
 
+def layer_layout(
+    cfg: ModelConfig, recipes: dict[str, nvfp4_ops.Recipe], no_decay: Sequence[str] = ()
+) -> LayerLayout:
+    """Which blocks are stacked: with `cfg.scans`, every run of >= 2 consecutive blocks whose
+    four linears have the same recipes and whose parameters match the same `no_decay` patterns
+    (the optimizer's weight-decay exclusions, searched in `layers.{i}.attn_norm.scale` etc.)."""
+    if not cfg.scans:
+        return LayerLayout(cfg.num_layers)
+    patterns = [re.compile(p) for p in no_decay]
+
+    def signature(i: int) -> tuple:
+        decays = tuple(
+            any(p.search(f"layers.{i}.{leaf}") for p in patterns) for leaf in BLOCK_PARAMS
+        )
+        return tuple(recipes[f"layers.{i}.{name}"] for name in LINEAR_NAMES), decays
+
+    return LayerLayout(cfg.num_layers, runs_of([signature(i) for i in range(cfg.num_layers)]))
+
+
+def _stacked(blocks: list[Block]) -> Block:
+    """One Block whose variables are those of `blocks` stacked along a new leading axis."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.split(block)[1] for block in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
+    """Sows the `INPUT_AMAX` values of `sown` (a pure dict as a block's capture returns it) on
+    the same submodules of `module` (scalars, or one per layer for a stacked block)."""
+    for name, value in sown.items():
+        if name == INPUT_AMAX:
+            module.sow(nnx.Intermediate, INPUT_AMAX, value, reduce_fn=jnp.maximum,
+                       init_fn=lambda: jnp.zeros((), jnp.float32))  # fmt: skip
+        else:
+            _resow(getattr(module, name), value)
+
+
+def _block_fn(graphdef: nnx.GraphDef, policy: Any):
+    """`f(params, rest, x, keys) -> (y, sown input amax)`: one block as a pure function, under
+    `jax.checkpoint(policy=policy)` when a policy is given."""
+
+    def apply(params, rest, x_BxLxD, keys):
+        block = nnx.merge(graphdef, params, rest)
+        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys)
+        return y, nnx.to_pure_dict(sown)
+
+    return apply if policy is None else jax.checkpoint(apply, policy=policy)
+
+
 class Llama(nnx.Module):
     """The decoder. `recipes` maps every path of `linear_paths(cfg)` to an `nvfp4_ops.Recipe`;
-    every quantized linear runs on `backend` (`nvfp4_ops.dot_general`'s argument).
+    every quantized linear runs on `backend` (`nvfp4_ops.dot_general`'s argument). `layout` says
+    which blocks are stacked (default `layer_layout(cfg, recipes)`); it must fit the recipes.
 
     Example:
         >>> cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
@@ -167,6 +269,7 @@ class Llama(nnx.Module):
         *,
         rngs: nnx.Rngs,
         backend: str | tuple[str, ...] = "auto",
+        layout: LayerLayout | None = None,
     ):
         if cfg.vocab_size <= 0:
             raise ValueError(
@@ -184,10 +287,24 @@ class Llama(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=init, rngs=rngs
         )
+        self.layout = layer_layout(cfg, recipes) if layout is None else layout
+        if self.layout.num_layers != cfg.num_layers:
+            raise ValueError(
+                f"layout is of {self.layout.num_layers} blocks, the model has {cfg.num_layers}"
+            )
+        for start, stop in self.layout.runs:
+            differ = [
+                f"layers.{i}.{n}" for i in range(start + 1, stop) for n in LINEAR_NAMES
+                if recipes[f"layers.{i}.{n}"] != recipes[f"layers.{start}.{n}"]
+            ]  # fmt: skip
+            if differ:
+                raise ValueError(f"layout stacks blocks {start}..{stop - 1}, but {differ} differ")
+        # built one by one in any layout, so that a seed gives the same weights stacked or not
+        blocks = [Block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(cfg.num_layers)]
         self.layers = nnx.Dict(
             {
-                str(i): Block(cfg, recipes, i, rngs=rngs, backend=backend)
-                for i in range(cfg.num_layers)
+                key: blocks[start] if stop - start == 1 else _stacked(blocks[start:stop])
+                for key, start, stop in self.layout.entries
             }
         )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -212,13 +329,45 @@ class Llama(nnx.Module):
                 f"{self.cfg.max_seq_len}, got shape {inputs_BxL.shape}"
             )
         x_BxLxD = self.embed(inputs_BxL)
-        for i in range(self.cfg.num_layers):
-            x_BxLxD = self.layers[str(i)](x_BxLxD, _layer_keys(key, i))
+        policy = REMAT_POLICIES[self.cfg.remat]
+        for name, start, stop in self.layout.entries:
+            block = self.layers[name]
+            if stop - start == 1 and policy is None:
+                x_BxLxD = block(x_BxLxD, _layer_keys(key, start))
+                continue
+            graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+            apply = _block_fn(graphdef, policy)
+            if stop - start == 1:
+                x_BxLxD, sown = apply(params, rest, x_BxLxD, _layer_keys(key, start))
+            else:
+                x_BxLxD, sown = _scan(apply, params, rest, x_BxLxD, key, start, stop)
+            _resow(block, sown)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
             emb_VxD = self.embed.embedding[...].astype(x_BxLxD.dtype)
             return jnp.einsum("bld,vd->blv", x_BxLxD, emb_VxD, preferred_element_type=jnp.float32)
         return self.lm_head(x_BxLxD).astype(jnp.float32)
+
+
+def unstacked(model: Llama) -> Llama:
+    """A copy of `model` with one Block per layer (its stacked blocks split, their parameters
+    slices of the stacked ones) and no remat: the model as telemetry's capture mode sees it.
+    An unstacked model is copied as it is."""
+    copy = nnx.merge(*nnx.split(model))
+    if not copy.layout.scanned and copy.cfg.remat == "none":
+        return copy
+    layers = {}
+    for key, start, stop in copy.layout.entries:
+        if stop - start == 1:
+            layers[key] = copy.layers[key]
+            continue
+        graphdef, state = nnx.split(copy.layers[key])
+        for j in range(stop - start):
+            layers[str(start + j)] = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
+    copy.layers = nnx.Dict(layers)
+    copy.layout = LayerLayout(copy.cfg.num_layers)
+    copy.cfg = dataclasses.replace(copy.cfg, scan_layers=False, remat="none")
+    return copy
 
 
 def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array | None]:
@@ -228,6 +377,22 @@ def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array 
         for name, linear_key in zip(LINEAR_NAMES, _layer_keys(key, i), strict=True):
             keys[f"layers.{i}.{name}"] = linear_key
     return keys
+
+
+def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int):
+    """Runs the stacked blocks `start` .. `stop - 1` over `x` with `jax.lax.scan`; each gets the
+    keys it would get unstacked. Returns (x, sown input amax with a leading layer axis)."""
+    if key is None:
+        keys = None
+    else:  # one batched derivation (fold_in of a traced index is the same as of an int)
+        keys = jax.vmap(lambda i: jnp.stack(_layer_keys(key, i)))(jnp.arange(start, stop))
+
+    def body(x, xs):
+        layer_params, layer_keys = xs
+        layer_keys = (None,) * len(LINEAR_NAMES) if layer_keys is None else tuple(layer_keys)
+        return apply(layer_params, rest, x, layer_keys)
+
+    return jax.lax.scan(body, x_BxLxD, (params, keys))
 
 
 def _layer_keys(key: jax.Array | None, layer: int) -> tuple[jax.Array | None, ...]:

@@ -18,6 +18,7 @@ import optax
 
 from nvfp4_train.loss_scaling import dynamic_loss_scaling, skip_nonfinite
 from nvfp4_train.policy import PrecisionConfig
+from nvfp4_train.stacking import canonical_path, global_norm
 
 SCHEDULES = ("cosine", "wsd", "constant")
 WSD_DECAY_SHAPES = ("linear", "1-sqrt")
@@ -136,9 +137,28 @@ def decay_mask(cfg: OptimizerConfig, params) -> dict:
 
     def decays(path, _leaf) -> bool:
         dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        dotted = canonical_path(dotted)  # a stacked run decays as its blocks do
         return not any(p.search(dotted) for p in patterns)
 
     return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` with the norm of `stacking.global_norm`: stacked blocks
+    (`model.scan_layers`) sum their squares in the same order as unstacked ones, so they are
+    clipped by the very same factor."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = global_norm(updates)
+        trigger = jnp.squeeze(g_norm < max_norm)
+
+        def clip_fn(t):
+            return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip_fn, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def make_optimizer(
@@ -166,7 +186,7 @@ def make_optimizer(
         weight_decay=cfg.weight_decay, mask=lambda params: decay_mask(cfg, params),
     )  # fmt: skip
     tx = adamw if cfg.grad_clip_norm == 0 else optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip_norm), adamw
+        clip_by_global_norm(cfg.grad_clip_norm), adamw
     )  # fmt: skip
     if precision.skip_nonfinite:
         tx = skip_nonfinite(tx)

@@ -25,7 +25,8 @@ import math
 import re
 
 import nvfp4_ops
-from nvfp4_train.model import LINEAR_NAMES, ModelConfig, linear_paths
+from nvfp4_train.model import LINEAR_NAMES, ModelConfig, layer_layout, linear_paths
+from nvfp4_train.stacking import LayerLayout
 
 BF16_RECIPE = "bf16"
 LOSS_SCALING_MODES = ("none", "dynamic")
@@ -267,3 +268,15 @@ def layer_recipes(
     if bf16_forward:
         recipes = {path: recipe.with_bf16_fprop() for path, recipe in recipes.items()}
     return recipes
+
+
+def run_layout(cfg) -> LayerLayout:
+    """Which blocks a run stores stacked (`model.scan_layers`, `model.layer_layout`): runs of
+    blocks with the same recipes (those of the quantized forward, so that the late BF16-forward
+    model has the same params tree) and the same weight-decay mask (`optimizer.no_decay`).
+
+    Args:
+        cfg: the run config (reads `model`, `precision`, `optimizer.no_decay`).
+    """
+    recipes = layer_recipes(cfg.model, cfg.precision)
+    return layer_layout(cfg.model, recipes, cfg.optimizer.no_decay)

@@ -35,9 +35,13 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
     return graphdefs[0], abstract
 
 
-IMPLEMENTATION_KEYS = {"precision": ("backend", "verify_backend")}
+IMPLEMENTATION_KEYS = {
+    "model": ("scan_layers", "remat"),
+    "precision": ("backend", "verify_backend"),
+}
 """Keys that say how a run computes, not what it computes: a run may resume on other ones
-(another machine, another backend), so they are not compared."""
+(another machine, another backend, stacked blocks or not, another remat policy: checkpoints are
+per layer), so they are not compared."""
 
 
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:

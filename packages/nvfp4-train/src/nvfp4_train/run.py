@@ -42,7 +42,7 @@ from nvfp4_train.metrics import (
     summarize_window,
 )
 from nvfp4_train.optim import make_optimizer
-from nvfp4_train.policy import bf16_forward_start, layer_recipe_names
+from nvfp4_train.policy import bf16_forward_start, layer_recipe_names, run_layout
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
 from nvfp4_train.run_dir import make_run_dir, run_lock
 from nvfp4_train.sharding import (
@@ -208,6 +208,7 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
         keep=cfg.checkpoint.keep,
         keep_period=cfg.checkpoint.keep_period,
         async_save=cfg.checkpoint.async_save,
+        layout=run_layout(cfg),
     )
 
 
@@ -542,7 +543,10 @@ def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[
     batches = _eval_batches(cfg, datasets)
     if not batches:
         raise ConfigError(f"{str(run_dir)!r}: the config holds out no validation data")
-    with Checkpoints(run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep) as ckpts:
+    checkpoints = Checkpoints(
+        run_dir / CHECKPOINT_DIR, keep=cfg.checkpoint.keep, layout=run_layout(cfg)
+    )
+    with checkpoints as ckpts:
         latest = ckpts.latest_step()
         if latest is None:
             raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")

@@ -26,6 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nvfp4_train.stacking import is_stacked
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -104,7 +106,11 @@ def _fit(spec: Sequence[str | tuple | None], shape: Sequence[int], mesh: Mesh) -
 
 def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:
     """The PartitionSpec of the parameter at `path` (e.g. `("layers", "0", "attn", "qkv",
-    "kernel")`); norm scales and unknown leaves are replicated."""
+    "kernel")`); norm scales and unknown leaves are replicated. A stacked block's parameter
+    (`("layers", "1-30", ...)`, a leading layer axis) is split like one layer's, never along
+    the layer axis."""
+    if is_stacked(path) and len(shape) >= 1:
+        return P(None, *param_spec(path[-2:], shape[1:], mesh))
     owner = path[-2] if len(path) >= 2 and path[-1] in ("kernel", "embedding") else None
     if path and path[-1] == "embedding":
         owner = "embedding"

@@ -26,8 +26,9 @@ from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.model import Llama, linear_paths
 from nvfp4_train.optim import make_optimizer, make_schedule
-from nvfp4_train.policy import backend_spec, layer_recipes
+from nvfp4_train.policy import backend_spec, layer_recipes, run_layout
 from nvfp4_train.sharding import batch_sharding, logits_sharding
+from nvfp4_train.stacking import global_norm
 
 Batch = dict[str, jax.Array]
 
@@ -37,11 +38,12 @@ class TrainState(NamedTuple):
 
     Attributes:
         step: int32 scalar, number of completed steps.
-        params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`).
-        opt_state: The optimizer's state.
+        params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`), in
+            the model's layout (`run_layout`: stacked blocks under `layers.{first}-{last}`).
+        opt_state: The optimizer's state (its moments in the same layout).
         activation_amax: Running max over applied steps of |x| at each linear's input (x after
             the compute-dtype cast), float32 scalars in a tree like the linears' params:
-            `activation_amax["layers"]["0"]["attn"]["qkv"]` (see `flat_amax`).
+            `activation_amax["layers"]["0"]["attn"]["qkv"]` (see `flat_amax`), always per layer.
     """
 
     step: jax.Array
@@ -66,7 +68,10 @@ def init_state(
     model_cfg = cfg.model if vocab_size is None else cfg.model.with_vocab_size(vocab_size)
     recipes = layer_recipes(model_cfg, cfg.precision)
     backend = backend_spec(cfg.precision.backend)
-    model = Llama(model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend)
+    model = Llama(
+        model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend,
+        layout=run_layout(cfg),
+    )  # fmt: skip
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
     optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
@@ -82,10 +87,12 @@ def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
     `TrainState` runs through either graphdef. `cfg.model.vocab_size` must be set.
     """
     recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
-    seed = cfg.train.seed
+    seed, layout = cfg.train.seed, run_layout(cfg)
     backend = backend_spec(cfg.precision.backend)
     abstract = nnx.eval_shape(
-        lambda: Llama(cfg.model, recipes, rngs=nnx.Rngs(params=seed), backend=backend)
+        lambda: Llama(
+            cfg.model, recipes, rngs=nnx.Rngs(params=seed), backend=backend, layout=layout
+        )
     )
     return nnx.graphdef(abstract)
 
@@ -119,7 +126,8 @@ def forward_with_amax(
     logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(inputs_BxL, key=key)
     sown = nnx.to_pure_dict(intermediates)
     is_linear = lambda node: isinstance(node, dict) and INPUT_AMAX in node  # noqa: E731
-    return logits_BxLxV, jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
+    amax = jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
+    return logits_BxLxV, model.layout.to_canonical(amax)
 
 
 def forward(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None) -> jax.Array:
@@ -261,12 +269,6 @@ def make_eval_step(
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step
-
-
-def global_norm(tree) -> jax.Array:
-    """float32 L2 norm over all leaves of `tree`."""
-    squares = [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares))
 
 
 def count_params(params) -> int:

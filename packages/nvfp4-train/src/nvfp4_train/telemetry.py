@@ -24,7 +24,7 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
-from nvfp4_train.model import LINEAR_NAMES, linear_keys
+from nvfp4_train.model import LINEAR_NAMES, linear_keys, unstacked
 from nvfp4_train.step import activation_constraint
 
 Batch = dict[str, jax.Array]
@@ -54,8 +54,10 @@ def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
 
 
 def _capturing_model(graphdef: nnx.GraphDef, params) -> nnx.Module:
-    """A fresh merged model whose `QuantLinear`s are in capture mode (the graphdef is unchanged)."""
-    model = nnx.merge(graphdef, params)
+    """A fresh merged model, one Block per layer (`model.unstacked`: the capture mode runs
+    unscanned and without remat), whose `QuantLinear`s are in capture mode (the graphdef is
+    unchanged)."""
+    model = unstacked(nnx.merge(graphdef, params))
     for _, module in nnx.iter_modules(model):
         if isinstance(module, QuantLinear):
             module.capture_operands = True
@@ -128,7 +130,7 @@ def step_key(cfg, step: int | jax.Array) -> jax.Array:
 
 def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
     """{path: recipe} of the model's quantized linears (recipe not "bf16"), in model order."""
-    model = nnx.merge(graphdef, params)
+    model = unstacked(nnx.merge(graphdef, params))
     recipes = {
         ".".join(str(p) for p in path): module.recipe
         for path, module in nnx.iter_modules(model)

@@ -1,0 +1,365 @@
+"""Scanned layers and remat: which blocks are stacked, the per-layer view everything else sees
+(checkpoints, amax, telemetry, grad norm, sharding, resume), and the numbers.
+
+Numerics, as measured here (`numerics`, a subprocess with `--xla_allow_excess_precision=false`):
+the losses, grad norms, activation amax and parameters of 20 SGD steps are bit-identical scanned
+and unscanned, and for every remat policy, BF16 and NVFP4. AdamW (the run's optimizer) differs by
+one rounding per update on some elements: XLA's algebraic simplifier turns Adam's division by
+its bias-correction scalar into a multiplication by the reciprocal for some leaves and not for
+others, depending on how many leaves share the scalar (reproduced with plain optax: one stacked
+leaf and the same values as separate leaves differ in the same way). Training carries that last
+bit on: over 20 AdamW steps the losses agree exactly for NVFP4 and to 1.3e-3 (relative) for BF16,
+so NOT within 1e-6. With XLA's default flags (excess precision allowed) scanned and unrolled code
+may keep different intermediates in float32, so the forward itself can differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import nvfp4_train.model
+from nvfp4_train.checkpoint import Checkpoints
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.model import LINEAR_NAMES, REMAT_POLICIES, ModelConfig, unstacked
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.policy import run_layout
+from nvfp4_train.resume import abstract_state
+from nvfp4_train.run import run
+from nvfp4_train.sharding import AXES, param_spec, tree_shardings
+from nvfp4_train.stacking import LayerLayout, canonical_path, is_stacked, runs_of
+from nvfp4_train.step import flat_amax, forward, init_state, make_train_step, model_graphdef
+from nvfp4_train.telemetry import make_quant_probe, step_key
+
+HERE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def scan_cfg(recipe="nvfp4", scan=True, remat="none", layers=4, overrides=()):
+    """A 4-block model, blocks 0 and 3 in BF16: stacked, it is stored as 0, 1-2, 3."""
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": 64, "d_model": 32, "num_layers": layers, "num_heads": 2,
+                "num_kv_heads": 1, "mlp_dim": 64, "max_seq_len": 16,
+                "scan_layers": scan, "remat": remat,
+            },
+            "precision": {"recipe": recipe, "bf16_first_layers": 1, "bf16_last_layers": 1},
+            "optimizer": {"learning_rate": 1e-2, "schedule": "constant", "warmup_steps": 0},
+            "train": {"steps": 20, "seed": 5, "batch_size": 4, "seq_len": 16},
+        },
+        list(overrides),
+    )  # fmt: skip
+
+
+def batch(seed: int = 1):
+    tokens = jax.random.randint(jax.random.key(seed), (4, 17), 0, 64, dtype=jnp.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def leaves_equal(a, b) -> bool:
+    flat_a, tree_a = jax.tree.flatten(a)
+    flat_b, tree_b = jax.tree.flatten(b)
+    return tree_a == tree_b and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(flat_a, flat_b, strict=True)
+    )
+
+
+def digest(tree) -> str:
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ the layout
+
+
+def test_layout_entries_and_round_trip_of_nested_trees():
+    layout = LayerLayout(5, runs=((1, 4),))
+    assert [key for key, _, _ in layout.entries] == ["0", "1-3", "4"]
+    per_layer = {"layers": {str(i): {"w": np.full((2, 3), i, np.float32)} for i in range(5)}}
+    tree = {"params": per_layer, "opt": (optax.EmptyState(), {"mu": per_layer, "count": 3})}
+    stacked = layout.from_canonical(tree)
+    assert sorted(stacked["params"]["layers"]) == ["0", "1-3", "4"]
+    assert stacked["opt"][1]["mu"]["layers"]["1-3"]["w"].shape == (3, 2, 3)
+    assert stacked["opt"][1]["mu"]["layers"]["1-3"]["w"][2, 0, 0] == 3
+    assert leaves_equal(layout.to_canonical(stacked), tree)
+    assert leaves_equal(layout.to_canonical(tree), tree)  # already per layer: unchanged
+    abstract = layout.to_canonical(jax.eval_shape(lambda: layout.from_canonical(per_layer)))
+    assert abstract["layers"]["2"]["w"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("runs", [((0, 1),), ((2, 4), (1, 3)), ((3, 6),)])
+def test_layout_refuses_overlapping_short_or_out_of_range_runs(runs):
+    with pytest.raises(ValueError, match="runs must be ordered, disjoint"):
+        LayerLayout(5, runs)
+
+
+def test_runs_paths_and_stacked_detection():
+    assert runs_of(["a", "b", "b", "b", "a", "a", "c"]) == ((1, 4), (4, 6))
+    assert runs_of(["a", "b", "c"]) == ()
+    assert canonical_path("layers.1-30.attn_norm.scale") == "layers.1.attn_norm.scale"
+    assert canonical_path("mu.layers.4-5.mlp.down.kernel") == "mu.layers.4.mlp.down.kernel"
+    assert canonical_path("layers.3.mlp.down.kernel") == "layers.3.mlp.down.kernel"
+    assert is_stacked(("layers", "1-2", "attn", "qkv", "kernel"))
+    assert not is_stacked(("layers", "1", "attn", "qkv", "kernel"))
+
+
+def test_layout_follows_the_precision_policy_its_overrides_and_no_decay():
+    entries = lambda cfg: [key for key, _, _ in run_layout(cfg).entries]  # noqa: E731
+    assert entries(scan_cfg(layers=8)) == ["0", "1-6", "7"]
+    assert entries(scan_cfg(layers=8, scan=False)) == [str(i) for i in range(8)]
+    auto_scans_4 = nvfp4_train.model.AUTO_SCAN_LAYERS <= 4  # 8, unless --scan-layers-from
+    assert entries(scan_cfg(layers=4, scan="auto")) == (
+        ["0", "1-2", "3"] if auto_scans_4 else ["0", "1", "2", "3"]
+    )
+    assert entries(scan_cfg(layers=8, scan="auto")) == ["0", "1-6", "7"]
+    override = ("precision.overrides=['layers\\.4\\.mlp\\..*=nvfp4-no-rht']",)
+    assert entries(scan_cfg(layers=8, overrides=override)) == ["0", "1-3", "4", "5-6", "7"]
+    no_decay = ("optimizer.no_decay=['norm', 'embed', 'layers\\.2\\.attn\\.qkv']",)
+    assert entries(scan_cfg(layers=8, overrides=no_decay)) == ["0", "1", "2", "3-6", "7"]
+    assert entries(scan_cfg("bf16", layers=8)) == ["0-7"]
+
+
+def test_model_config_checks_scan_and_remat():
+    base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, mlp_dim=64)
+    with pytest.raises(ValueError, match="model.remat must be one of"):
+        ModelConfig(**base, remat="everything")
+    with pytest.raises(ValueError, match="model.scan_layers must be true, false or 'auto'"):
+        ModelConfig(**base, scan_layers="yes")
+    assert set(REMAT_POLICIES) == {"none", "full", "quantized", "dots", "dots_no_batch"}
+
+
+def test_a_seed_gives_the_same_weights_stacked_or_not():
+    _, scanned = init_state(scan_cfg(scan=True))
+    _, plain = init_state(scan_cfg(scan=False))
+    assert sorted(scanned.params["layers"]) == ["0", "1-2", "3"]
+    assert scanned.params["layers"]["1-2"]["attn"]["qkv"]["kernel"].shape == (2, 32, 64)
+    layout = run_layout(scan_cfg(scan=True))
+    assert leaves_equal(layout.to_canonical(scanned.params), plain.params)
+    assert leaves_equal(layout.to_canonical(scanned.opt_state), plain.opt_state)
+    assert leaves_equal(scanned.activation_amax, plain.activation_amax)  # always per layer
+
+
+def test_the_late_bf16_forward_runs_on_the_stacked_state():
+    cfg = scan_cfg(scan=True)
+    _, state = init_state(cfg)
+    late = model_graphdef(cfg, bf16_forward=True)
+    run_forward = jax.jit(forward, static_argnums=0)
+    logits = run_forward(late, state.params, batch()["inputs"], jax.random.key(0))
+    assert logits.shape == (4, 16, 64) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_a_stacked_parameter_is_sharded_like_one_layer_never_along_layers():
+    mesh = AbstractMesh((2, 2, 2), AXES)
+    one = param_spec(("layers", "1", "attn", "qkv", "kernel"), (32, 64), mesh)
+    assert param_spec(("layers", "1-6", "attn", "qkv", "kernel"), (6, 32, 64), mesh) == P(
+        None, *one
+    )
+    norm = param_spec(("layers", "1-6", "attn_norm", "scale"), (6, 32), mesh)
+    assert norm == P(None, *param_spec(("layers", "1", "attn_norm", "scale"), (32,), mesh))
+    state = abstract_state(scan_cfg(scan=True))[1]
+    device_mesh = jax.make_mesh((1, 1, 1), AXES)
+    shardings = tree_shardings(state.params, state.params, device_mesh)
+    spec = shardings["layers"]["1-2"]["mlp"]["down"]["kernel"].spec
+    assert len(spec) == 3 and spec[0] is None
+
+
+# ------------------------------------------------------------------ the numbers
+
+
+def _numerics_report() -> dict:
+    """Run in a subprocess with `--xla_allow_excess_precision=false` (see the module doc)."""
+    variants = {
+        "bf16": [(False, "none"), (True, "none")],
+        "nvfp4": [(False, "none"), (True, "none"), (True, "quantized"), (False, "full"),
+                  (True, "dots")],
+    }  # fmt: skip
+    report: dict = {}
+    for recipe, runs in variants.items():
+        for scan, remat in runs:
+            cfg = scan_cfg(recipe, scan, remat)
+            layout = run_layout(cfg)
+            sgd = optax.sgd(1e-2, momentum=0.9)
+            graphdef, state = init_state(cfg, optimizer=sgd)
+            step = jax.jit(make_train_step(cfg, graphdef, sgd))
+            losses, norms, first = [], [], None
+            for i in range(20):
+                state, metrics = step(state, batch(i))
+                losses.append(float(metrics["loss"]))
+                norms.append(float(metrics["grad_norm"]))
+                first = first or digest(layout.to_canonical(state.params))
+            row = {
+                "losses": losses,
+                "grad_norms": norms,
+                "params_after_1": first,
+                "params_after_20": digest(layout.to_canonical(state.params)),
+                "amax": digest(state.activation_amax),
+            }
+            if remat == "none":  # the run's own optimizer: AdamW, clipping at 1.0
+                adamw = make_optimizer(cfg, cfg.train.steps)
+                graphdef, state = init_state(cfg)
+                adam_step = jax.jit(make_train_step(cfg, graphdef, adamw))
+                row["adamw_losses"] = []
+                for i in range(20):
+                    state, metrics = adam_step(state, batch(i))
+                    row["adamw_losses"].append(float(metrics["loss"]))
+                    if i == 0:
+                        row["adamw_params_after_1"] = {
+                            jax.tree_util.keystr(p): np.asarray(v).tolist()
+                            for p, v in jax.tree_util.tree_leaves_with_path(
+                                layout.to_canonical(state.params)
+                            )
+                        }
+            report[f"{recipe}/scan={scan}/remat={remat}"] = row
+    return report
+
+
+@pytest.fixture(scope="module")
+def numerics() -> dict:
+    code = f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import test_scan; " \
+           "print(json.dumps(test_scan._numerics_report()))"  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+def test_scanned_and_unscanned_train_bit_identically_with_sgd(numerics, recipe):
+    rows = {k: v for k, v in numerics.items() if k.startswith(f"{recipe}/")}
+    reference = rows.pop(f"{recipe}/scan=False/remat=none")
+    assert len(set(reference["losses"])) > 1
+    for name, row in rows.items():  # scanned, and every remat policy
+        for item in ("losses", "grad_norms", "params_after_1", "params_after_20", "amax"):
+            assert row[item] == reference[item], f"{name}: {item} differs"
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+def test_adamw_updates_of_stacked_blocks_differ_by_at_most_one_rounding(numerics, recipe):
+    plain = numerics[f"{recipe}/scan=False/remat=none"]
+    scanned = numerics[f"{recipe}/scan=True/remat=none"]
+    assert plain["adamw_params_after_1"].keys() == scanned["adamw_params_after_1"].keys()
+    for name, values in plain["adamw_params_after_1"].items():
+        a = np.asarray(values, np.float32)
+        b = np.asarray(scanned["adamw_params_after_1"][name], np.float32)
+        # one rounding of the update (lr 1e-2, |update| <= lr): below one ulp of 1e-2 plus one
+        # ulp of the parameter
+        bound = np.spacing(np.float32(1e-2)) + np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        assert np.all(np.abs(a - b) <= bound), name
+    assert plain["adamw_losses"][0] == scanned["adamw_losses"][0]
+    rel = np.abs(np.subtract(plain["adamw_losses"], scanned["adamw_losses"]))
+    rel /= np.abs(plain["adamw_losses"])
+    print(
+        f"{recipe}: AdamW, 20 steps, scanned vs unscanned: max relative loss difference {rel.max():.2e}"
+    )
+    assert rel.max() < 5e-2  # measured: see the module docstring
+
+
+def test_telemetry_rows_are_per_layer_and_equal_scanned_or_not():
+    rows = {}
+    for scan in (False, True):
+        cfg = scan_cfg(scan=scan)
+        graphdef, state = init_state(cfg)
+        probe = jax.jit(make_quant_probe(cfg, graphdef))
+        rows[scan] = jax.device_get(probe(state.params, batch(), step_key(cfg, 0)))
+    expected = [f"layers.{i}.{name}" for i in (1, 2) for name in LINEAR_NAMES]
+    assert sorted(rows[True]) == sorted(expected)
+    assert leaves_equal(rows[True], rows[False])
+
+
+def test_unstacked_model_has_one_block_per_layer():
+    cfg = scan_cfg(scan=True, remat="quantized")
+    graphdef, state = init_state(cfg)
+    from flax import nnx
+
+    model = unstacked(nnx.merge(graphdef, state.params))
+    assert sorted(model.layers.keys()) == ["0", "1", "2", "3"]
+    assert model.cfg.remat == "none" and not model.layout.scanned
+    kernel = model.layers["2"].attn.qkv.kernel[...]
+    assert np.array_equal(kernel, state.params["layers"]["1-2"]["attn"]["qkv"]["kernel"][1])
+
+
+def test_amax_is_per_layer_and_updated_for_stacked_blocks():
+    cfg = scan_cfg(scan=True)
+    graphdef, state = init_state(cfg)
+    step = jax.jit(make_train_step(cfg, graphdef, optax.sgd(1e-2)))
+    state = init_state(cfg, optimizer=optax.sgd(1e-2))[1]
+    state, _ = step(state, batch())
+    amax = flat_amax(state.activation_amax)
+    assert sorted(amax) == sorted(f"layers.{i}.{n}" for i in range(4) for n in LINEAR_NAMES)
+    assert all(float(v) > 0 for v in amax.values())
+    assert float(amax["layers.1.attn.qkv"]) != float(amax["layers.2.attn.qkv"])
+
+
+# ------------------------------------------------------------------ checkpoints and resume
+
+
+@pytest.mark.parametrize(("save_scanned", "restore_scanned"), [(True, False), (False, True)])
+def test_checkpoints_are_per_layer_and_restore_into_either_layout(
+    tmp_path, save_scanned, restore_scanned
+):
+    saver, restorer = scan_cfg(scan=save_scanned), scan_cfg(scan=restore_scanned)
+    graphdef, state = init_state(saver)
+    state, _ = jax.jit(make_train_step(saver, graphdef, optax.adamw(1e-2)))(
+        init_state(saver, optimizer=optax.adamw(1e-2))[1], batch()
+    )
+    state = init_state(saver)[1]._replace(params=state.params)  # the run's own optimizer
+    with Checkpoints(tmp_path, keep=2, layout=run_layout(saver)) as ckpts:
+        ckpts.save(1, state, data_iter_state={"i": 1}, config={"k": 1})
+    with Checkpoints(tmp_path, keep=2, layout=run_layout(restorer)) as ckpts:
+        restored = ckpts.restore(1, abstract_state(restorer)[1]).state
+    with Checkpoints(tmp_path, keep=2) as ckpts:  # no layout: what is on disk
+        on_disk = ckpts.restore(1, abstract_state(scan_cfg(scan=False))[1]).state
+    assert sorted(on_disk.params["layers"]) == ["0", "1", "2", "3"]
+    want_layers = ["0", "1-2", "3"] if restore_scanned else ["0", "1", "2", "3"]
+    assert sorted(restored.params["layers"]) == want_layers
+    saved_view, restored_view = run_layout(saver), run_layout(restorer)
+    assert leaves_equal(
+        restored_view.to_canonical(restored.params), saved_view.to_canonical(state.params)
+    )
+    assert leaves_equal(
+        restored_view.to_canonical(restored.opt_state), saved_view.to_canonical(state.opt_state)
+    )
+
+
+def test_a_run_saved_unscanned_resumes_scanned_and_evaluates(tmp_path, tiny_config):
+    sections = {
+        "model": {"num_layers": 4, "scan_layers": False},
+        "precision": {"bf16_first_layers": 1, "bf16_last_layers": 1},
+        "train": {"steps": 8, "log_every": 1, "eval_every": 8},
+        "checkpoint": {"every_steps": 4, "keep": 3},
+        "logging": {"tensorboard": False},
+    }
+    cfg = config_from_dict(tiny_config(tmp_path / "r", **sections))
+    first = run(cfg, stream=io.StringIO())
+    run_dir = Path(first.run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "8")
+    resumed_cfg = config_from_dict(
+        tiny_config(tmp_path / "r", **{**sections, "model": {"num_layers": 4, "scan_layers": True}})
+    )
+    output = io.StringIO()
+    second = run(resumed_cfg, stream=output)
+    assert "(step 4)" in output.getvalue() and (second.start_step, second.final_step) == (4, 8)
+    rel = abs(second.last_loss - first.last_loss) / first.last_loss
+    assert rel < 1e-2, (second.last_loss, first.last_loss)
+    assert second.val_loss is not None and np.isfinite(second.val_loss)
