@@ -2,6 +2,7 @@
 
     nvfp4-train run CONFIG.yaml [key=value ...]          train (or resume) a run
     nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config
+        [--memory] [--devices N]                         (and what one device holds)
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
                                                          (default: RUN_DIR/loss.png)
@@ -46,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show-config", help="print the fully resolved config as YAML")
     show.add_argument("config", type=Path, help="the YAML config file")
     show.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
+    show.add_argument(
+        "--memory", action="store_true",
+        help="also print what one device holds (parameters, optimizer state, gradients, "
+        "estimated activations) as YAML comments",
+    )  # fmt: skip
+    show.add_argument(
+        "--devices", type=int, default=None, metavar="N",
+        help="devices of the run for --memory (default: the devices here)",
+    )  # fmt: skip
 
     evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
     evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
@@ -89,7 +99,17 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    sys.stdout.write(to_yaml(load_config(args.config, args.overrides)))
+    cfg = load_config(args.config, args.overrides)
+    sys.stdout.write(to_yaml(cfg))
+    if args.memory or args.devices is not None:
+        import jax
+
+        from nvfp4_train.memory import estimate_memory, format_estimate
+
+        devices = args.devices if args.devices is not None else jax.device_count()
+        if devices < 1:
+            raise ConfigError(f"--devices must be >= 1, got {devices}")
+        sys.stdout.write(format_estimate(estimate_memory(cfg, devices)))
     return 0
 
 

@@ -1,0 +1,169 @@
+"""What a config needs per device, before any device is rented: `estimate_memory`.
+
+Parameters, optimizer state and gradients are counted exactly from the model's shapes and the
+sharding rules (`sharding.param_spec` on the mesh the config resolves to for `devices`).
+Activations are an analytic estimate per token of the microbatch one device runs
+(`batch_size / grad_accum_steps / (data x fsdp)` sequences), by `model.remat`:
+
+    full           the block inputs:                            d*c
+    quantized      + the FP4 operands of the quantized linears:  (2d + q + f) * 9/16
+    dots_no_batch  + the outputs of the linears:                 (q + 2kv + 2d + 2f) * c
+    dots           + the attention matmuls' outputs:             q*c + H*L*4
+    none           + softmax, RoPE, SwiGLU intermediates:        H*L*(4 + c) + (q + kv + 3f + 2d) * c
+
+per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
+L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
+of an E4M3 block scale). A BF16 block's linears keep their inputs in the compute dtype without
+remat and recompute them with it. On top of what is saved, one block's attention scores and
+probabilities ([H, L, L] in float32 and the compute dtype per sequence: the model has no fused
+attention) or the float32 logits and their gradient, whichever is larger, exist at a time.
+XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
+`benchmarks/bench_compile.py` reports what the compiled step allocates.
+
+Example:
+    >>> from nvfp4_train.config import load_config
+    >>> estimate = estimate_memory(load_config("examples/configs/llama3-8b-blackwell.yaml"), 8)
+    >>> print(format_estimate(estimate))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from nvfp4_train.config import ConfigError
+from nvfp4_train.policy import BF16_RECIPE, layer_recipe_names
+from nvfp4_train.resume import abstract_state
+from nvfp4_train.sharding import AXES, BATCH_AXES, _key_names, param_spec
+
+FP4_BYTES = 9 / 16
+"""Bytes per element of an NVFP4 operand: a 4-bit code and 1/16 of an 8-bit block scale."""
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds (see the module doc for what is exact and what is estimated)."""
+
+    devices: int
+    mesh: dict[str, int]
+    sequences: int
+    seq_len: int
+    remat: str
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+
+
+def _sharded_bytes(tree, params, mesh: AbstractMesh) -> int:
+    """Bytes per device of `tree`'s leaves: a leaf whose path ends with a parameter's path and
+    has its shape is split like that parameter (as `sharding.tree_shardings` places it)."""
+    by_path = {
+        _key_names(path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names, shape = _key_names(path), tuple(leaf.shape)
+        spec = next(
+            (param_spec(names[i:], shape, mesh) for i in range(len(names))
+             if by_path.get(names[i:]) == shape),
+            (),
+        )  # fmt: skip
+        split = math.prod(
+            math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            for axes in spec
+        )
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize // split
+    return total
+
+
+def _saved_per_token(cfg, quantized: bool) -> float:
+    """Bytes per token one block keeps for the backward pass under `cfg.model.remat`."""
+    m = cfg.model
+    c = jnp.dtype(m.compute_dtype).itemsize
+    d, f, heads, length = m.d_model, m.mlp_dim, m.num_heads, cfg.train.seq_len
+    q, kv = heads * m.resolved_head_dim, m.num_kv_heads * m.resolved_head_dim
+    # a quantized linear saves its FP4 operands (named residuals) under every policy but
+    # "full"; a BF16 linear's input is the output of elementwise work, saved only without remat
+    per_element = FP4_BYTES if quantized else (c if m.remat == "none" else 0)
+    operands = (2 * d + q + f) * per_element
+    saved = d * c
+    if m.remat == "full":
+        return saved
+    saved += operands
+    if m.remat == "quantized":
+        return saved
+    saved += (q + 2 * kv + 2 * d + 2 * f) * c
+    if m.remat == "dots_no_batch":
+        return saved
+    saved += q * c + heads * length * 4
+    if m.remat == "dots":
+        return saved
+    return saved + heads * length * (4 + c) + (q + kv + 3 * f + 2 * d) * c
+
+
+def estimate_memory(cfg, devices: int) -> MemoryEstimate:
+    """Per-device bytes of a run of `cfg` on `devices` devices (`mesh` resolved for them).
+
+    Raises:
+        ConfigError: `model.vocab_size` is 0 (taken from the data: set it to estimate), or the
+            mesh does not fit `devices`.
+    """
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError("model.vocab_size is 0 (taken from the data): set it to estimate memory")
+    try:
+        sizes = dict(zip(AXES, cfg.mesh.resolve(devices), strict=True))
+    except ValueError as err:
+        raise ConfigError(f"mesh for {devices} devices: {err}") from err
+    mesh = AbstractMesh(tuple(sizes.values()), AXES)
+    _, state = abstract_state(cfg)
+    params = _sharded_bytes(state.params, state.params, mesh)
+    optimizer = _sharded_bytes(state.opt_state, state.params, mesh)
+    batch_split = math.prod(sizes[a] for a in BATCH_AXES)
+    micro = cfg.train.batch_size // cfg.train.grad_accum_steps
+    sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
+    tokens = sequences * cfg.train.seq_len
+    names = layer_recipe_names(cfg.model, cfg.precision)
+    activations = sum(
+        tokens * _saved_per_token(cfg, names[f"layers.{i}.mlp.down"] != BF16_RECIPE)
+        for i in range(cfg.model.num_layers)
+    )
+    m, c = cfg.model, jnp.dtype(cfg.model.compute_dtype).itemsize
+    attention = sequences * m.num_heads * cfg.train.seq_len**2 * (4 + c)
+    logits = 2 * tokens * m.vocab_size * 4 // sizes["tensor"]
+    return MemoryEstimate(
+        devices=devices, mesh=sizes, sequences=sequences, seq_len=cfg.train.seq_len,
+        remat=m.remat, parameters=params, optimizer=optimizer, gradients=params,
+        activations=int(activations), transient=max(attention, logits),
+    )  # fmt: skip
+
+
+def format_estimate(estimate: MemoryEstimate) -> str:
+    """The estimate as YAML comment lines (so `show-config --memory` output stays YAML)."""
+    mesh = " ".join(f"{k}={v}" for k, v in estimate.mesh.items())
+    rows = [
+        ("parameters (float32)", estimate.parameters),
+        ("optimizer state", estimate.optimizer),
+        ("gradients (float32)", estimate.gradients),
+        (f"activations kept for backward (remat: {estimate.remat}, estimate)",
+         estimate.activations),
+        ("largest transient: one block's attention scores or the logits", estimate.transient),
+    ]  # fmt: skip
+    lines = [
+        f"# memory per device on {estimate.devices} devices (mesh {mesh}; "
+        f"{estimate.sequences} sequences x {estimate.seq_len} tokens per device and microbatch):"
+    ]
+    lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows]
+    lines.append(f"#   {'total':<66} {estimate.total / GIB:9.2f} GiB")
+    return "\n".join(lines) + "\n"

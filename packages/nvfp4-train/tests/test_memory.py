@@ -1,0 +1,68 @@
+"""`show-config --memory`: exact per-device parameter, optimizer and gradient bytes from the
+sharding rules, and the activation estimate ordered by how much each remat policy keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nvfp4_train.cli import main
+from nvfp4_train.config import ConfigError, config_from_dict, load_config
+from nvfp4_train.memory import GIB, estimate_memory
+from nvfp4_train.resume import abstract_state
+from nvfp4_train.step import count_params
+
+REPO = Path(__file__).resolve().parents[3]
+MODEL = {"vocab_size": 256, "d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+         "mlp_dim": 128, "max_seq_len": 64}  # fmt: skip
+
+
+def cfg(remat="none", **sections):
+    return config_from_dict(
+        {"model": {**MODEL, "remat": remat},
+         "train": {"batch_size": 16, "seq_len": 64, "grad_accum_steps": 2}, **sections}
+    )  # fmt: skip
+
+
+def test_parameters_and_optimizer_are_counted_exactly_and_split_by_fsdp():
+    one = estimate_memory(cfg(), 1)
+    n = count_params(abstract_state(cfg())[1].params)
+    assert one.parameters == one.gradients == 4 * n
+    assert 0 <= one.optimizer - 2 * 4 * n < 64  # Adam's mu and nu in float32, a few counters
+    sharded = estimate_memory(cfg(mesh={"data": 1, "fsdp": -1}), 4)
+    assert sharded.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert sharded.parameters < one.parameters / 3  # norm scales stay replicated
+    assert sharded.sequences == 16 // 2 // 4
+
+
+def test_activations_shrink_with_each_remat_policy_that_keeps_less():
+    kept = [estimate_memory(cfg(remat), 1).activations
+            for remat in ("none", "dots", "dots_no_batch", "quantized", "full")]  # fmt: skip
+    assert kept == sorted(kept, reverse=True) and len(set(kept)) == 5
+    full = estimate_memory(cfg("full"), 1)
+    assert full.activations == 4 * 8 * 64 * 64 * 2  # blocks x sequences x tokens x d_model x bf16
+
+
+def test_the_8b_config_fits_8_blackwell_gpus_as_its_comment_says():
+    estimate = estimate_memory(load_config(REPO / "examples/configs/llama3-8b-blackwell.yaml"), 8)
+    assert round(estimate.parameters / GIB, 1) == 3.7 and round(estimate.optimizer / GIB, 1) == 7.5
+    assert round(estimate.activations / GIB, 1) == 20.3 and round(estimate.transient / GIB) == 48
+    assert 80 < estimate.total / GIB < 90
+
+
+def test_show_config_prints_the_estimate_as_yaml_comments(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL, "train": {"batch_size": 8, "seq_len": 32}}))
+    assert main(["show-config", str(path), "model.remat=full", "--devices", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "# memory per device on 1 devices" in printed and "remat: full" in printed
+    assert yaml.safe_load(printed)["model"]["remat"] == "full"
+
+
+def test_memory_needs_a_vocabulary_and_a_mesh_that_fits():
+    with pytest.raises(ConfigError, match="vocab_size is 0"):
+        estimate_memory(config_from_dict({}), 1)
+    with pytest.raises(ConfigError, match="mesh for 3 devices"):
+        estimate_memory(cfg(mesh={"data": 2, "fsdp": 1}), 3)
