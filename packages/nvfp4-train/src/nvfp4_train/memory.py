@@ -1,7 +1,7 @@
 """What a config needs per device, before any device is rented: `estimate_memory`.
 
 Parameters, optimizer state and gradients are counted exactly from the model's shapes and the
-sharding rules (`sharding.param_spec` on the mesh the config resolves to for `devices`).
+sharding rules (`sharding.tree_shardings` on the mesh the config resolves to for `devices`).
 Activations are an analytic estimate per token of the microbatch one device runs
 (`batch_size / grad_accum_steps / (data x fsdp)` sequences), by `model.remat`:
 
@@ -38,7 +38,7 @@ from jax.sharding import AbstractMesh
 from nvfp4_train.config import ConfigError
 from nvfp4_train.policy import BF16_RECIPE, layer_recipe_names
 from nvfp4_train.resume import abstract_state
-from nvfp4_train.sharding import AXES, BATCH_AXES, _key_names, param_spec
+from nvfp4_train.sharding import AXES, BATCH_AXES, tree_shardings
 
 FP4_BYTES = 9 / 16
 """Bytes per element of an NVFP4 operand: a 4-bit code and 1/16 of an 8-bit block scale."""
@@ -66,26 +66,12 @@ class MemoryEstimate:
 
 
 def _sharded_bytes(tree, params, mesh: AbstractMesh) -> int:
-    """Bytes per device of `tree`'s leaves: a leaf whose path ends with a parameter's path and
-    has its shape is split like that parameter (as `sharding.tree_shardings` places it)."""
-    by_path = {
-        _key_names(path): tuple(leaf.shape)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names, shape = _key_names(path), tuple(leaf.shape)
-        spec = next(
-            (param_spec(names[i:], shape, mesh) for i in range(len(names))
-             if by_path.get(names[i:]) == shape),
-            (),
-        )  # fmt: skip
-        split = math.prod(
-            math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
-            for axes in spec
-        )
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize // split
-    return total
+    """Bytes per device of `tree`'s leaves placed as a run places them (`tree_shardings`)."""
+    shardings = jax.tree.leaves(tree_shardings(tree, params, mesh))
+    return sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        for leaf, sharding in zip(jax.tree.leaves(tree), shardings, strict=True)
+    )
 
 
 def _saved_per_token(cfg, quantized: bool) -> float:
