@@ -32,6 +32,12 @@ def _zero_f32() -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
+def sow_input_amax(module: nnx.Module, amax: jax.Array) -> None:
+    """Sows `amax` on `module` as the `nnx.Intermediate` `INPUT_AMAX`, max-reduced with what is
+    already sown (a float32 scalar, or one per layer for a stacked block)."""
+    module.sow(nnx.Intermediate, INPUT_AMAX, amax, reduce_fn=jnp.maximum, init_fn=_zero_f32)
+
+
 def _latest(previous, value):
     del previous
     return value
@@ -83,7 +89,7 @@ class QuantLinear(nnx.Module):
         """
         x = x_NxI.astype(self.dtype)
         amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-        self.sow(nnx.Intermediate, INPUT_AMAX, amax, reduce_fn=jnp.maximum, init_fn=_zero_f32)
+        sow_input_amax(self, amax)
         w = self.kernel[...].astype(self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         y = nvfp4_ops.dot_general(

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.layers import INPUT_AMAX, Block, RMSNorm
+from nvfp4_train.layers import INPUT_AMAX, Block, RMSNorm, sow_input_amax
 from nvfp4_train.stacking import LayerLayout, runs_of
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -230,8 +230,7 @@ def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
     the same submodules of `module` (scalars, or one per layer for a stacked block)."""
     for name, value in sown.items():
         if name == INPUT_AMAX:
-            module.sow(nnx.Intermediate, INPUT_AMAX, value, reduce_fn=jnp.maximum,
-                       init_fn=lambda: jnp.zeros((), jnp.float32))  # fmt: skip
+            sow_input_amax(module, value)
         else:
             _resow(getattr(module, name), value)
 
