@@ -1,4 +1,4 @@
-"""nvfp4_format: the NVFP4 and MXFP4 bit formats, for NumPy and (when installed) JAX arrays.
+"""nvfp4_format: the NVFP4, MXFP4 and MXFP8 bit formats, for NumPy and (when installed) JAX arrays.
 
 Example:
   >>> import numpy as np, nvfp4_format as nf
@@ -13,7 +13,9 @@ Example:
 from nvfp4_format._pytree import register_jax_pytrees
 from nvfp4_format.checkpoint_report import CheckpointReport, inspect_checkpoint
 from nvfp4_format.e2m1 import E2M1_MAX, E2M1_VALUES, decode_e2m1, encode_e2m1
+from nvfp4_format.four_over_six import FOUR_OVER_SIX_E4M3_MAX
 from nvfp4_format.mxfp4 import MXFP4Array, dequantize_mxfp4, quantize_mxfp4
+from nvfp4_format.mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
 from nvfp4_format.nvfp4 import (
     E4M3_MAX,
     NVFP4Array,
@@ -34,11 +36,14 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
+    "FOUR_OVER_SIX_E4M3_MAX",
     "MXFP4Array",
+    "MXFP8Array",
     "NVFP4Array",
     "decode_e2m1",
     "dequantize",
     "dequantize_mxfp4",
+    "dequantize_mxfp8",
     "encode_e2m1",
     "global_decode_scale",
     "global_encode_scale",
@@ -48,6 +53,7 @@ __all__ = [
     "pack_fp4",
     "quantize",
     "quantize_mxfp4",
+    "quantize_mxfp8",
     "read_safetensors_header",
     "read_tensor",
     "register_jax_pytrees",

@@ -134,19 +134,36 @@ def dequantize_mxfp4(a: MXFP4Array, dtype: Any = np.float32) -> Any:
 
 def _block_exponent(xp: Any, amax: Any, scale_rule: str) -> Any:
     """int32 block exponents, clamped to [-127, 125]; -127 for all-zero (or non-finite) blocks."""
+    # Largest exponent: 125, so that every decoded value 6 * 2^e stays finite in float32 (the OCP
+    # rule never exceeds it; the "ceil" rule would reach 126 for amax > 6 * 2^125 and then clip).
+    return mx_block_exponent(
+        xp, amax, scale_rule, elem_max=E2M1_MAX, elem_emax=2, max_exponent=MAX_EXPONENT
+    )
+
+
+def mx_block_exponent(
+    xp: Any, amax: Any, scale_rule: str, *, elem_max: float, elem_emax: int, max_exponent: int
+) -> Any:
+    """int32 E8M0 exponents of blocks with amax `amax` for elements whose largest value is
+    `elem_max` = m * 2^elem_emax (E2M1: 6 = 1.5 * 2^2; E4M3: 448 = 1.75 * 2^8).
+
+    "ocp": floor(log2(amax)) - elem_emax. "ceil": the smallest e with elem_max * 2^e >= amax,
+    exact. Clamped to [-127, max_exponent]; -127 for all-zero (or non-finite) blocks.
+    """
     usable = (amax > 0) & xp.isfinite(amax)
     safe = xp.where(usable, amax, xp.float32(1.0))
     _, e = xp.frexp(safe)  # safe = m * 2^e with m in [0.5, 1): floor(log2(safe)) = e - 1
     floor_log2 = e.astype(xp.int32) - 1
     if scale_rule == "ocp":
-        exponent = floor_log2 - 2
+        exponent = floor_log2 - elem_emax
     else:
-        # Smallest k with 6 * 2^k >= amax: start from floor(log2(amax / 6)) - 1 and step up.
-        k = floor_log2 - 3
+        # elem_max * 2^k < 2^(elem_emax + 1 + k) <= amax for k = floor_log2 - elem_emax - 1, and
+        # elem_max * 2^k >= 2^(elem_emax + k) > amax for k = floor_log2 - elem_emax + 1: the answer
+        # is one or two steps up from the first. amax * 2^-k (~2^(elem_emax + 1), exact) is
+        # compared instead of elem_max * 2^k, which would overflow float32 near FLT_MAX.
+        k = floor_log2 - elem_emax - 1
         for _ in range(3):
-            k = xp.where(xp.ldexp(xp.float32(E2M1_MAX), k) < safe, k + 1, k)
+            k = xp.where(xp.ldexp(safe, -k) > xp.float32(elem_max), k + 1, k)
         exponent = k
-    # Largest exponent: 125, so that every decoded value 6 * 2^e stays finite in float32 (the OCP
-    # rule never exceeds it; the "ceil" rule would reach 126 for amax > 6 * 2^125 and then clip).
-    exponent = xp.clip(exponent, -E8M0_BIAS, MAX_EXPONENT)
+    exponent = xp.clip(exponent, -E8M0_BIAS, max_exponent)
     return xp.where(usable, exponent, -E8M0_BIAS).astype(xp.int32)

@@ -10,6 +10,9 @@ The arithmetic follows the spec (and TransformerEngine's kernels) in float32, in
     q     = e2m1(clip(x * enc_b, -6, 6))            RNE or stochastic
     x'    = e2m1_value(q) * float32(sb) * s_dec
 
+`quantize(..., block_scale_rule="4over6")` replaces 448 by 256 in s_enc and picks, per block, sb
+from two candidates (block amax -> 6 or -> 4); see `nvfp4_format.four_over_six`.
+
 One deliberate choice beyond the formulas: in a block whose scale `sb` is zero (an all-zero block, or
 one whose amax is below ~2.2e-6 of the tensor amax and flushes) every code is 0. The formulas alone
 would leave saturated codes there that decode to 0 anyway; zero codes say what the block holds.
@@ -28,6 +31,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from nvfp4_format._block_scaling import (
+    BLOCK_SIZE,
+    E4M3_MAX,
+    FLT_MAX,
+    block_encode_scales,
+    e4m3_block_scales,
+    row_chunks,
+)
 from nvfp4_format._namespace import (
     check_fields,
     check_finite,
@@ -39,12 +50,15 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import CHUNK_ELEMENTS, E2M1_MAX, _encode_bits
+from nvfp4_format.e2m1 import E2M1_MAX, _encode_bits
+from nvfp4_format.four_over_six import (
+    BLOCK_SCALE_RULES,
+    ERROR_METRICS,
+    FOUR_OVER_SIX_E4M3_MAX,
+    select_block_scales,
+)
 from nvfp4_format.packing import decode_packed, pack_pairs, unpack_fp4
 
-E4M3_MAX = 448.0
-BLOCK_SIZE = 16
-FLT_MAX = float(np.finfo(np.float32).max)
 BLOCK_SHAPES = ((1, 16), (16, 16))
 
 
@@ -99,20 +113,27 @@ class NVFP4Array:
 register_dataclass(NVFP4Array, ["packed", "block_scales", "global_scale"], ["shape", "block_shape"])
 
 
-def global_encode_scale(amax: Any) -> Any:
-    """s_enc = min(6 * 448 / amax, FLT_MAX) in float32; 1.0 where amax is 0 or not finite."""
+def global_encode_scale(amax: Any, *, block_scale_rule: str = "max") -> Any:
+    """s_enc = min(6 * 448 / amax, FLT_MAX) in float32; 1.0 where amax is 0 or not finite.
+
+    With `block_scale_rule="4over6"` the constant is 6 * 256 = 1536 instead of 6 * 448 = 2688
+    (Four Over Six keeps 1.5x headroom so that a block scale amax_block / 4 still fits E4M3).
+    """
+    _check_block_scale_rule(block_scale_rule)
+    e4m3_max = FOUR_OVER_SIX_E4M3_MAX if block_scale_rule == "4over6" else E4M3_MAX
     xp = namespace(amax)
     amax = xp.asarray(amax, dtype=xp.float32)
     usable = (amax > 0) & xp.isfinite(amax)
     safe = xp.where(usable, amax, xp.float32(1.0))
-    s_enc = xp.minimum(xp.float32(E2M1_MAX * E4M3_MAX) / safe, xp.float32(FLT_MAX))
+    s_enc = xp.minimum(xp.float32(E2M1_MAX * e4m3_max) / safe, xp.float32(FLT_MAX))
     return xp.where(usable, s_enc, xp.float32(1.0)).astype(xp.float32)
 
 
-def global_decode_scale(amax: Any) -> Any:
+def global_decode_scale(amax: Any, *, block_scale_rule: str = "max") -> Any:
     """s_dec = 1 / s_enc in float32 (the value stored as `NVFP4Array.global_scale`)."""
     xp = namespace(amax)
-    return (xp.float32(1.0) / global_encode_scale(amax)).astype(xp.float32)
+    s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
+    return (xp.float32(1.0) / s_enc).astype(xp.float32)
 
 
 def quantize(
@@ -122,6 +143,8 @@ def quantize(
     global_amax: Any = None,
     rounding: str = "rne",
     uniform: Any = None,
+    block_scale_rule: str = "max",
+    error_metric: str = "mse",
 ) -> NVFP4Array:
     """Quantize `x` to NVFP4 with blocks along the last axis.
 
@@ -133,24 +156,35 @@ def quantize(
         group of tensors (fused q/k/v, gate/up) so they share one global scale.
       rounding: "rne" or "stochastic" (gradients).
       uniform: for "stochastic", uniform random numbers in [0, 1) with the shape of `x`.
+      block_scale_rule: "max" (standard: each block's amax maps to 6) or "4over6" (Four Over Six:
+        per block, the better of amax -> 6 and amax -> 4, with the tensor scale
+        amax / (6 * 256); see `nvfp4_format.four_over_six`). The result is standard NVFP4 either
+        way. With stochastic rounding the choice is made on the RNE encodings' errors.
+      error_metric: for "4over6", what "better" means per block: "mse" (sum of squared errors),
+        "l1" (sum of absolute errors) or "max_abs" (largest absolute error). Ties keep amax -> 6.
 
     Returns:
       An `NVFP4Array`.
 
     Raises:
       TypeError: `x` is not floating.
-      ValueError: shapes that do not tile, NaN/Inf in NumPy input, bad `global_amax`, or
-        stochastic rounding without `uniform`. With JAX input non-finite values give a NaN
-        `global_scale` instead (jit cannot raise), so `dequantize` returns NaN, never a finite lie.
+      ValueError: shapes that do not tile, NaN/Inf in NumPy input, bad `global_amax`, unknown
+        `block_scale_rule` / `error_metric`, or stochastic rounding without `uniform`. With JAX
+        input non-finite values give a NaN `global_scale` instead (jit cannot raise), so
+        `dequantize` returns NaN, never a finite lie.
 
     Example:
       >>> q = quantize(np.linspace(-3, 3, 32, dtype=np.float32))
       >>> q.packed.shape, q.block_scales.dtype
       ((16,), dtype(float8_e4m3fn))
+      >>> x = np.array([4.0, 3.0] + [0.0] * 14, np.float32)  # 3 is exact on the grid 0..4
+      >>> dequantize(quantize(x, block_scale_rule="4over6"))[:2]
+      array([4., 3.], dtype=float32)
     """
     check_float("x", x)
     xp = namespace(x, global_amax, uniform)
     check_rounding(rounding)
+    _check_block_scale_rule(block_scale_rule, error_metric)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
     if x.size == 0:
         return _empty(xp, tuple(x.shape), block_shape)
@@ -160,10 +194,12 @@ def quantize(
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
     amax = _tensor_amax(xp, block_amax, global_amax)
-    s_enc = global_encode_scale(amax)
+    s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
     s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
-    per_block = block_amax * (s_enc * xp.float32(1.0 / 6.0))
-    scales = xp.clip(per_block, 0.0, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    if block_scale_rule == "4over6":
+        scales = select_block_scales(xp, x, block_amax, s_enc, s_dec, block_shape, error_metric)
+    else:
+        scales = e4m3_block_scales(xp, block_amax, s_enc, E2M1_MAX)
     packed = _encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
     if block_shape == (16, 16):
         scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
@@ -177,6 +213,20 @@ def quantize(
         shape=tuple(x.shape),
         block_shape=block_shape,
     )
+
+
+def _check_block_scale_rule(block_scale_rule: str, error_metric: str = "mse") -> None:
+    if block_scale_rule not in BLOCK_SCALE_RULES:
+        raise ValueError(
+            f"block_scale_rule must be one of {BLOCK_SCALE_RULES}, got {block_scale_rule!r}"
+        )
+    if error_metric not in ERROR_METRICS:
+        raise ValueError(f"error_metric must be one of {ERROR_METRICS}, got {error_metric!r}")
+    if block_scale_rule != "4over6" and error_metric != "mse":
+        raise ValueError(
+            f"error_metric={error_metric!r} only applies to block_scale_rule='4over6', "
+            f"got block_scale_rule={block_scale_rule!r}"
+        )
 
 
 def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
@@ -249,16 +299,6 @@ def _blocks(x: Any, block_shape: tuple[int, int]) -> Any:
     return x.reshape(*lead, m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
 
 
-def _row_chunks(n_rows: int, k: int, multiple: int = 1) -> list[slice]:
-    """Slices of ~CHUNK_ELEMENTS elements over [n_rows, k] rows, each a multiple of `multiple` rows.
-
-    NumPy runs the per-element work chunk by chunk: its temporaries then stay in cache instead of
-    being fresh 64 MB arrays (page faults, memory traffic per operation), ~5-10x faster.
-    """
-    step = max(1, CHUNK_ELEMENTS // (k * multiple)) * multiple
-    return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
-
-
 def _block_amax(xp: Any, x: Any, block_shape: tuple[int, int]) -> Any:
     """float32 max|x| per block [..., K/16] (per tile [..., M/16, K/16] for 16x16).
 
@@ -279,7 +319,7 @@ def _block_amax(xp: Any, x: Any, block_shape: tuple[int, int]) -> Any:
     *lead, k = x.shape
     rows = np.asarray(x).reshape(-1, k)
     out = np.empty((rows.shape[0] // tile_rows, k // BLOCK_SIZE), np.float32)
-    for sl in _row_chunks(rows.shape[0], k, tile_rows):
+    for sl in row_chunks(rows.shape[0], k, tile_rows):
         tiles = rows[sl].reshape(-1, tile_rows, k // BLOCK_SIZE, BLOCK_SIZE)
         # A float32 copy with the within-block axes first: the max then runs over whole rows.
         values = tiles.transpose(1, 3, 0, 2).astype(np.float32, order="C")
@@ -306,12 +346,7 @@ def _encode_blocks(
 
     A block with scale 0 gets enc_b = 0 and its sign bits masked, so all its codes are +0.
     """
-    sb = scales.astype(xp.float32)
-    # 1 / inf = 0 for zero blocks. Everything per-block sits before the division: XLA keeps a
-    # division's result as one small per-block array, but fuses cheap ops (such as the E4M3
-    # rounding) into the per-element loop, recomputing them for every element (~2x slower).
-    denominator = xp.where(sb == 0, xp.float32(np.inf), sb * s_dec)
-    enc = xp.minimum(xp.float32(1.0) / denominator, xp.float32(FLT_MAX))
+    enc = block_encode_scales(xp, scales, s_dec)
     if block_shape == (16, 16):  # a tile encodes like 16 rows of 1x16 blocks with its scale
         enc = xp.repeat(enc, BLOCK_SIZE, axis=-2)
     k = x.shape[-1]
@@ -322,7 +357,7 @@ def _encode_blocks(
         packed = _encode_rows(xp, x_rows, enc, u_rows, rounding)
     else:
         packed = np.empty((x_rows.shape[0], k // 2), np.uint8)
-        for sl in _row_chunks(x_rows.shape[0], k):
+        for sl in row_chunks(x_rows.shape[0], k):
             u_chunk = None if u_rows is None else u_rows[sl]
             packed[sl] = _encode_rows(np, x_rows[sl], enc[sl], u_chunk, rounding)
     return packed.reshape(*x.shape[:-1], k // 2)
