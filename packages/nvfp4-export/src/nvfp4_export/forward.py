@@ -42,7 +42,8 @@ class ForwardWeights:
     """All weights of the decoder, float32, HF orientation ([out, in]; embeddings [V, D]).
 
     `layers[i]` maps "attn_norm", "mlp_norm" to [D] scales and "qkv", "o", "gate_up", "down" to
-    `ForwardLinear`s.
+    `ForwardLinear`s; per the spec also "qkv_bias" [(H + 2G) * K], "o_bias" [D] and "q_norm",
+    "k_norm" [K].
     """
 
     spec: LlamaSpec
@@ -77,19 +78,21 @@ def _quantize_input(x_NxK: np.ndarray, lin: ForwardLinear, mode: str) -> np.ndar
     return nvfp4_format.dequantize(nvfp4_format.quantize(x_NxK, (1, 16), global_amax=amax))
 
 
-def _linear(x_BxLxI, lin: ForwardLinear, mode: str, rnd, amax_out: dict | None, key: str):
+def _linear(x_BxLxI, lin: ForwardLinear, mode: str, rnd, amax_out: dict | None, key: str,
+            bias=None):  # fmt: skip
     b, l, k = x_BxLxI.shape
     x = x_BxLxI.reshape(b * l, k)
     if amax_out is not None:
         amax_out[key] = max(amax_out.get(key, 0.0), float(np.max(np.abs(x))) if x.size else 0.0)
     x = _quantize_input(x, lin, mode)
-    return rnd((x @ lin.w_OxI.T).reshape(b, l, -1))
+    y = x @ lin.w_OxI.T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float32)
+    return rnd(y.reshape(b, l, -1))
 
 
-def _rope_tables(length: int, head_dim: int, theta: float):
-    inv_freq = 1.0 / (
-        np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
-    )
+def _rope_tables(length: int, spec: LlamaSpec):
+    inv_freq = spec.rope_inv_freq()
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
@@ -119,13 +122,19 @@ def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, table
     nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
     b, l, _ = x.shape
     h = _rms_norm(x, layer["attn_norm"], s.rms_norm_eps, rnd)
-    qkv = _linear(h, layer["qkv"], mode, rnd, amax_out, f"layers.{i}.attn.qkv")
+    qkv = _linear(h, layer["qkv"], mode, rnd, amax_out, f"layers.{i}.attn.qkv",
+                  layer.get("qkv_bias"))  # fmt: skip
     q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
+    q, k = q.reshape(b, l, nh, hd), k.reshape(b, l, nkv, hd)
+    if s.qk_norm:
+        q = _rms_norm(q, layer["q_norm"], s.rms_norm_eps, rnd)
+        k = _rms_norm(k, layer["k_norm"], s.rms_norm_eps, rnd)
     cos, sin = tables
-    q = _rope(q.reshape(b, l, nh, hd), cos[:l], sin[:l], rnd)
-    k = _rope(k.reshape(b, l, nkv, hd), cos[:l], sin[:l], rnd)
+    q = _rope(q, cos[:l], sin[:l], rnd)
+    k = _rope(k, cos[:l], sin[:l], rnd)
     att = _attention(q, k, v.reshape(b, l, nkv, hd), rnd).reshape(b, l, nh * hd)
-    x = rnd(x + _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o"))
+    o = _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o", layer.get("o_bias"))
+    x = rnd(x + o)
     h = _rms_norm(x, layer["mlp_norm"], s.rms_norm_eps, rnd)
     gate, up = np.split(
         _linear(h, layer["gate_up"], mode, rnd, amax_out, f"layers.{i}.mlp.gate_up"), 2, axis=-1
@@ -164,7 +173,7 @@ def forward(
             f"token ids must be in [0, {weights.spec.vocab_size}), got {tokens.min()}..{tokens.max()}"
         )
     rnd = _rounder(compute_dtype or weights.spec.dtype)
-    tables = _rope_tables(tokens.shape[1], weights.spec.head_dim, weights.spec.rope_theta)
+    tables = _rope_tables(tokens.shape[1], weights.spec)
     x = rnd(weights.embed_VxD[tokens])
     for i, layer in enumerate(weights.layers):
         x = _block(x, layer, i, weights, activations, rnd, amax_out, tables)

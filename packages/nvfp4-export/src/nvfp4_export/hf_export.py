@@ -28,7 +28,7 @@ from nvfp4_export.layouts import (
     plan_layout,
     quantization_config,
 )
-from nvfp4_export.linears import ExportedLinear, export_linear
+from nvfp4_export.linears import ExportedLinear, export_linear, hf_modules
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes
@@ -67,15 +67,23 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Embeddings, norms and lm_head in BF16 under their HF names."""
+    """Embeddings, norms, biases and lm_head in BF16 under their HF names (a fused q|k|v bias
+    split like its kernel)."""
     out = {"model.embed_tokens.weight": _bf16(params["embed.embedding"])}
     for i in range(spec.num_layers):
-        out[f"model.layers.{i}.input_layernorm.weight"] = _bf16(
-            params[f"layers.{i}.attn_norm.scale"]
-        )
-        out[f"model.layers.{i}.post_attention_layernorm.weight"] = _bf16(
-            params[f"layers.{i}.mlp_norm.scale"]
-        )
+        p, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[hf + "input_layernorm.weight"] = _bf16(params[p + "attn_norm.scale"])
+        out[hf + "post_attention_layernorm.weight"] = _bf16(params[p + "mlp_norm.scale"])
+        if spec.qkv_bias:
+            bias, start = params[p + "attn.qkv.bias"], 0
+            for name, rows in hf_modules(spec, p + "attn.qkv"):
+                out[name + ".bias"] = _bf16(bias[start : start + rows])
+                start += rows
+        if spec.o_bias:
+            out[hf + "self_attn.o_proj.bias"] = _bf16(params[p + "attn.o.bias"])
+        if spec.qk_norm:
+            out[hf + "self_attn.q_norm.weight"] = _bf16(params[p + "attn.q_norm.scale"])
+            out[hf + "self_attn.k_norm.weight"] = _bf16(params[p + "attn.k_norm.scale"])
     out["model.norm.weight"] = _bf16(params["final_norm.scale"])
     if not spec.tie_embeddings:
         out["lm_head.weight"] = _bf16(params["lm_head.kernel"].T)

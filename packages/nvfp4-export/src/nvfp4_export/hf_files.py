@@ -10,7 +10,7 @@ import numpy as np
 import safetensors.numpy
 
 from nvfp4_export.errors import ExportError
-from nvfp4_export.model_spec import LlamaSpec
+from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
 SINGLE_FILE = "model.safetensors"
@@ -19,10 +19,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | None) -> dict:
-    """config.json for `LlamaForCausalLM` (no quantization entry; the layout adds it)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """config.json for the spec's architecture (`LlamaForCausalLM`, `Qwen3ForCausalLM`, ...; no
+    quantization entry, the layout adds it). RoPE is written as `rope_theta` + `rope_scaling`,
+    the spelling vLLM, TensorRT-LLM, SGLang and transformers (4.x and 5.x) all read; sliding
+    windows are off, as training attends to the whole sequence."""
+    config = {
+        "architectures": [ARCHITECTURES[spec.architecture]],
+        "model_type": spec.architecture,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.d_model,
         "intermediate_size": spec.mlp_dim,
@@ -34,14 +37,40 @@ def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | 
         "max_position_embeddings": spec.max_seq_len,
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "rope_scaling": spec.scaled_rope,
         "tie_word_embeddings": spec.tie_embeddings,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "torch_dtype": "bfloat16",
     }
+    if spec.architecture in ("llama", "qwen3"):
+        config["attention_bias"] = spec.o_bias
+    if spec.architecture == "llama":
+        config["mlp_bias"] = False
+    if spec.architecture != "llama":
+        config["sliding_window"] = None
+    if spec.architecture in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False
+        config["max_window_layers"] = spec.num_layers
+        config["layer_types"] = ["full_attention"] * spec.num_layers
+    return config
+
+
+def hf_dense_names(spec: LlamaSpec) -> list[str]:
+    """Names of the tensors an export stores in BF16 besides the linears' weights: embeddings,
+    norms (q/k norms included), biases and lm_head."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names += [] if spec.tie_embeddings else ["lm_head.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if spec.qkv_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        if spec.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
 
 
 def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> dict:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from nvfp4_export.hf_files import INDEX_FILE
+from nvfp4_export.hf_files import INDEX_FILE, hf_dense_names
 from nvfp4_export.layouts import fused_exclusions
 from nvfp4_export.linears import hf_modules
+from nvfp4_export.model_spec import ARCHITECTURES
 from nvfp4_export.reload import LoadedExport
 
 FUSED = (
@@ -85,14 +86,7 @@ def _linear_problems(loaded: LoadedExport) -> list[str]:
                 )
     for i in range(spec.num_layers):
         problems += _shared_scale_problems(loaded, i)
-    dense = ["model.embed_tokens.weight", "model.norm.weight"]
-    dense += [] if spec.tie_embeddings else ["lm_head.weight"]
-    for i in range(spec.num_layers):
-        dense += [
-            f"model.layers.{i}.input_layernorm.weight",
-            f"model.layers.{i}.post_attention_layernorm.weight",
-        ]
-    for name in dense:
+    for name in hf_dense_names(spec):
         seen.add(name)
         if name not in loaded.tensors or loaded.tensors[name].dtype.name != "bfloat16":
             problems.append(f"{name}: missing or not BF16")
@@ -108,8 +102,9 @@ def _in_features(spec, name: str) -> int:
 
 def _metadata_problems(loaded: LoadedExport) -> list[str]:
     cfg, prov, problems = loaded.config, loaded.provenance, []
-    if cfg.get("architectures") != ["LlamaForCausalLM"] or cfg.get("model_type") != "llama":
-        problems.append("config.json is not a LlamaForCausalLM config")
+    arch = loaded.spec.architecture
+    if cfg.get("architectures") != [ARCHITECTURES[arch]] or cfg.get("model_type") != arch:
+        problems.append(f"config.json is not a {ARCHITECTURES[arch]} config")
     qc = cfg.get("quantization_config")
     excluded = prov.get("excluded") or []
     if prov["format"] == "bf16":

@@ -5,12 +5,18 @@ Parameter names (the training model's tree, float32, kernels [in, out]):
     layers.{i}.attn_norm.scale, layers.{i}.mlp_norm.scale [D];
     layers.{i}.attn.qkv.kernel [D, (H + 2G) * K]   columns q | k | v, each head's K columns contiguous;
     layers.{i}.attn.o.kernel [H * K, D]; layers.{i}.mlp.gate_up.kernel [D, 2F] (gate | up);
-    layers.{i}.mlp.down.kernel [F, D].
+    layers.{i}.mlp.down.kernel [F, D];
+    with `qkv_bias` layers.{i}.attn.qkv.bias [(H + 2G) * K], with `o_bias` layers.{i}.attn.o.bias
+    [D], with `qk_norm` layers.{i}.attn.q_norm.scale and layers.{i}.attn.k_norm.scale [K].
+
+`architecture` is the Hugging Face `model_type` the export is written as (llama, mistral, qwen2,
+qwen3); the bias and norm options are those its model class builds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -19,6 +25,14 @@ from nvfp4_export.errors import ExportError
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""Hugging Face `model_type` -> its causal-LM class (config.json `architectures`)."""
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +57,25 @@ class LlamaSpec:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dtype: str = "bfloat16"
+    architecture: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:
             raise ExportError(f"model.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ExportError(
+                f"model.architecture must be one of {sorted(ARCHITECTURES)}, got "
+                f"{self.architecture!r}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ExportError(
+                f"model.rope_scaling.rope_type {rope_type!r} is not one of {ROPE_TYPES}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ExportError(
                 f"model.num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}"
@@ -69,6 +98,31 @@ class LlamaSpec:
         kv = self.num_kv_heads * self.head_dim
         return (self.num_heads * self.head_dim, kv, kv)
 
+    @property
+    def scaled_rope(self) -> dict[str, Any] | None:
+        """`rope_scaling` unless it is None or of rope_type "default" (then None)."""
+        scaling = self.rope_scaling or {}
+        return dict(scaling) if scaling.get("rope_type", "default") != "default" else None
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """float32 [head_dim / 2] RoPE frequencies, scaled by `rope_scaling` (HF's formulas)."""
+        half = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** half)).astype(np.float32)
+        scaling = self.scaled_rope
+        if scaling is None:
+            return inv_freq
+        factor = np.float32(scaling["factor"])
+        if scaling["rope_type"] == "linear":
+            return (inv_freq / factor).astype(np.float32)
+        low, high = np.float32(scaling["low_freq_factor"]), np.float32(scaling["high_freq_factor"])
+        old = np.float32(scaling["original_max_position_embeddings"])
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
+        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
     def linear_paths(self) -> list[str]:
         """`layers.{i}.attn.qkv`, ... for every quantizable linear, in model order."""
         return [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LINEAR_NAMES]
@@ -87,6 +141,13 @@ class LlamaSpec:
             shapes[p + "attn.o.kernel"] = (self.num_heads * self.head_dim, d)
             shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
             shapes[p + "mlp.down.kernel"] = (f, d)
+            if self.qkv_bias:
+                shapes[p + "attn.qkv.bias"] = (sum(self.qkv_split),)
+            if self.o_bias:
+                shapes[p + "attn.o.bias"] = (d,)
+            if self.qk_norm:
+                shapes[p + "attn.q_norm.scale"] = (self.head_dim,)
+                shapes[p + "attn.k_norm.scale"] = (self.head_dim,)
         return shapes
 
 
@@ -118,11 +179,26 @@ def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> L
             rms_norm_eps=float(model.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(model.get("tie_embeddings", False)),
             dtype=str(model.get("dtype", "bfloat16")),
+            architecture=str(model.get("architecture", "llama")),
+            qkv_bias=bool(model.get("qkv_bias", False)),
+            o_bias=bool(model.get("o_bias", False)),
+            qk_norm=bool(model.get("qk_norm", False)),
+            rope_scaling=_rope_scaling(model.get("rope_scaling")),
         )
     except KeyError as err:
         raise ExportError(f"the checkpoint config's model section lacks {err}") from err
     check_params(spec, params)
     return spec
+
+
+def _rope_scaling(section: Any) -> dict[str, Any] | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ExportError(
+            f"the checkpoint config's model.rope_scaling must be a mapping, got {section!r}"
+        )
+    return dict(section) if section.get("rope_type", "default") != "default" else None
 
 
 def check_params(spec: LlamaSpec, params: dict[str, np.ndarray]) -> None:

@@ -155,8 +155,12 @@ def _attention(g: _Graph, spec: LlamaSpec, q: str, k: str, v: str, mask: str) ->
     return g.op("Reshape", [out, g.const("shape", np.array([0, 0, nh * hd], np.int64))])
 
 
-def _linear(g: _Graph, x: str, m: ExportedLinear, form: str) -> str:
-    return g.op("MatMul", [x, _weight_t(g, m, form)], hint=m.name.replace(".", "_"))
+def _linear(g: _Graph, x: str, m: ExportedLinear, form: str, dense=None) -> str:
+    y = g.op("MatMul", [x, _weight_t(g, m, form)], hint=m.name.replace(".", "_"))
+    bias = None if dense is None else dense.get(m.name + ".bias")
+    if bias is None:
+        return y
+    return g.op("Add", [y, g.const(m.name.replace(".", "_") + "_bias", bias.astype(np.float32))])
 
 
 def _block(g, spec, i, x, mods, dense, tables, form):
@@ -165,11 +169,15 @@ def _block(g, spec, i, x, mods, dense, tables, form):
     h = _rms_norm(g, x, dense[f"model.layers.{i}.input_layernorm.weight"], spec.rms_norm_eps)
     p = f"model.layers.{i}."
     heads = lambda t, n: g.op("Reshape", [t, g.const("shape", np.array([0, 0, n, hd], np.int64))])  # noqa: E731
-    q = _rope(g, heads(_linear(g, h, mods[p + "self_attn.q_proj"], form), nh), cos, sin, hd // 2)
-    k = _rope(g, heads(_linear(g, h, mods[p + "self_attn.k_proj"], form), nkv), cos, sin, hd // 2)
-    v = heads(_linear(g, h, mods[p + "self_attn.v_proj"], form), nkv)
+    q = heads(_linear(g, h, mods[p + "self_attn.q_proj"], form, dense), nh)
+    k = heads(_linear(g, h, mods[p + "self_attn.k_proj"], form, dense), nkv)
+    if spec.qk_norm:
+        q = _rms_norm(g, q, dense[p + "self_attn.q_norm.weight"], spec.rms_norm_eps)
+        k = _rms_norm(g, k, dense[p + "self_attn.k_norm.weight"], spec.rms_norm_eps)
+    q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
+    v = heads(_linear(g, h, mods[p + "self_attn.v_proj"], form, dense), nkv)
     att = _attention(g, spec, q, k, v, mask)
-    x = g.op("Add", [x, _linear(g, att, mods[p + "self_attn.o_proj"], form)])
+    x = g.op("Add", [x, _linear(g, att, mods[p + "self_attn.o_proj"], form, dense)])
     h = _rms_norm(g, x, dense[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
     gate = _linear(g, h, mods[p + "mlp.gate_proj"], form)
     up = _linear(g, h, mods[p + "mlp.up_proj"], form)
@@ -178,8 +186,7 @@ def _block(g, spec, i, x, mods, dense, tables, form):
 
 
 def _tables(g: _Graph, spec: LlamaSpec, ids: str):
-    half = np.arange(0, spec.head_dim, 2, dtype=np.float32) / np.float32(spec.head_dim)
-    inv_freq = (1.0 / (np.float32(spec.rope_theta) ** half)).astype(np.float32)
+    inv_freq = spec.rope_inv_freq()
     freqs = np.arange(spec.max_seq_len, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)
     length = g.op(

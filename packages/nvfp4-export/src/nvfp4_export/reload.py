@@ -142,11 +142,11 @@ def forward_weights(
     """`ForwardWeights` from exported linears (keyed by training path) and the dense tensors.
 
     `dense` holds float32 "embed" [V, D], "final_norm", "lm_head" [V, D] and
-    "layers.{i}.attn_norm" / "layers.{i}.mlp_norm".
+    "layers.{i}.{name}" for every name of `dense_layer_names(spec)`.
     """
     layers = []
     for i in range(spec.num_layers):
-        layer = {n: dense[f"layers.{i}.{n}"] for n in ("attn_norm", "mlp_norm")}
+        layer = {n: dense[f"layers.{i}.{n}"] for n in dense_layer_names(spec)}
         for kind in LINEAR_NAMES:
             source = f"layers.{i}.{kind}"
             mods = linears[source]
@@ -157,6 +157,42 @@ def forward_weights(
     return ForwardWeights(
         spec, dense["embed"], dense["final_norm"], dense["lm_head"], tuple(layers)
     )
+
+
+DENSE_LAYER_PARAMS = {
+    "attn_norm": "attn_norm.scale",
+    "mlp_norm": "mlp_norm.scale",
+    "qkv_bias": "attn.qkv.bias",
+    "o_bias": "attn.o.bias",
+    "q_norm": "attn.q_norm.scale",
+    "k_norm": "attn.k_norm.scale",
+}
+"""`ForwardWeights` layer key -> the training parameter (relative to `layers.{i}`)."""
+
+
+def dense_layer_names(spec: LlamaSpec) -> list[str]:
+    """The `ForwardWeights` layer keys of the spec's non-linear tensors (norms, biases)."""
+    names = ["attn_norm", "mlp_norm"]
+    names += ["qkv_bias"] * spec.qkv_bias + ["o_bias"] * spec.o_bias
+    return names + ["q_norm", "k_norm"] * spec.qk_norm
+
+
+def _hf_dense_layer(spec: LlamaSpec, i: int, f32) -> dict[str, np.ndarray]:
+    """The layer's norms and biases read from an export's tensors (q|k|v biases fused)."""
+    hf = f"model.layers.{i}."
+    out = {
+        "attn_norm": f32(hf + "input_layernorm.weight"),
+        "mlp_norm": f32(hf + "post_attention_layernorm.weight"),
+    }
+    if spec.qkv_bias:
+        names = [n for n, _ in hf_modules(spec, f"layers.{i}.attn.qkv")]
+        out["qkv_bias"] = np.concatenate([f32(n + ".bias") for n in names])
+    if spec.o_bias:
+        out["o_bias"] = f32(hf + "self_attn.o_proj.bias")
+    if spec.qk_norm:
+        out["q_norm"] = f32(hf + "self_attn.q_norm.weight")
+        out["k_norm"] = f32(hf + "self_attn.k_norm.weight")
+    return out
 
 
 def weights_from_checkpoint(
@@ -171,8 +207,8 @@ def weights_from_checkpoint(
     dense = {"embed": p["embed.embedding"], "final_norm": p["final_norm.scale"]}
     dense["lm_head"] = p["embed.embedding"] if spec.tie_embeddings else p["lm_head.kernel"].T
     for i in range(spec.num_layers):
-        for n in ("attn_norm", "mlp_norm"):
-            dense[f"layers.{i}.{n}"] = p[f"layers.{i}.{n}.scale"]
+        for n in dense_layer_names(spec):
+            dense[f"layers.{i}.{n}"] = p[f"layers.{i}.{DENSE_LAYER_PARAMS[n]}"]
     return forward_weights(spec, linears, recipes, dense)
 
 
@@ -194,6 +230,6 @@ def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
     dense = {"embed": f32("model.embed_tokens.weight"), "final_norm": f32("model.norm.weight")}
     dense["lm_head"] = dense["embed"] if spec.tie_embeddings else f32("lm_head.weight")
     for i in range(spec.num_layers):
-        dense[f"layers.{i}.attn_norm"] = f32(f"model.layers.{i}.input_layernorm.weight")
-        dense[f"layers.{i}.mlp_norm"] = f32(f"model.layers.{i}.post_attention_layernorm.weight")
+        for n, value in _hf_dense_layer(spec, i, f32).items():
+            dense[f"layers.{i}.{n}"] = value
     return forward_weights(spec, linears, recipes, dense)

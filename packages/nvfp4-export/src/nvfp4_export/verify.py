@@ -242,10 +242,11 @@ def verify_onnx(path: Path, against: Path | None, n: int) -> VerifyReport:
 
 
 def _bf16_dense(w: ForwardWeights) -> ForwardWeights:
-    """`w` with norms, embedding and lm_head rounded to BF16, as the exports store them."""
+    """`w` with norms, biases, embedding and lm_head rounded to BF16, as the exports store them."""
     rnd = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
     layers = tuple(
-        {k: (rnd(v) if k.endswith("norm") else v) for k, v in layer.items()} for layer in w.layers
+        {k: (v if isinstance(v, ForwardLinear) else rnd(v)) for k, v in layer.items()}
+        for layer in w.layers
     )
     return dataclasses.replace(
         w, embed_VxD=rnd(w.embed_VxD), lm_head_VxD=rnd(w.lm_head_VxD), final_norm=rnd(w.final_norm),
