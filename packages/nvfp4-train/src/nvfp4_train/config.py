@@ -3,7 +3,8 @@
 `Config` gathers one section per concern (`model`, `precision`, `optimizer`, `data`, `train`,
 `checkpoint`, `logging`, `mesh`, `distributed`). The loader builds the tree generically from the dataclass type hints, so a
 section only has to declare typed, defaulted fields and validate values in `__post_init__`.
-Loading never touches the file system beyond reading the YAML, and never initialises a runtime.
+Loading never touches the file system beyond reading the YAML (and, with `model.init_from`, that
+model's `config.json`: `nvfp4_train.hf_config`), and never initialises a runtime.
 
 Example:
     >>> cfg = config_from_dict({"train": {"steps": 20}}, overrides=["precision.recipe=bf16"])
@@ -28,6 +29,7 @@ import yaml
 from nvfp4_train.data import DataConfig
 from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.health import QuantHealthConfig
+from nvfp4_train.hf_config import HFConfigError, fill_data_section, fill_model_section
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.policy import PrecisionConfig
@@ -429,7 +431,21 @@ def config_from_dict(mapping: Mapping[str, Any] | None, overrides: Iterable[str]
         mapping = {}
     if not isinstance(mapping, Mapping):
         raise ConfigError(f"a config must be a YAML mapping, got {type(mapping).__name__}")
-    return build(Config, apply_overrides(mapping, overrides))
+    merged = apply_overrides(mapping, overrides)
+    model = merged.get("model")
+    if (
+        isinstance(model, Mapping)
+        and isinstance(model.get("init_from"), str)
+        and model["init_from"]
+    ):
+        try:
+            merged["model"] = fill_model_section(model)
+            data = merged.get("data", {})
+            if isinstance(data, Mapping):
+                merged["data"] = fill_data_section(data, model["init_from"])
+        except HFConfigError as e:
+            raise ConfigError(str(e)) from None
+    return build(Config, merged)
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:

@@ -44,9 +44,10 @@ def _latest(previous, value):
 
 
 class QuantLinear(nnx.Module):
-    """A bias-free linear `y = x @ W` whose matmul is `nvfp4_ops.dot_general` with a fixed recipe.
+    """A linear `y = x @ W (+ b)` whose matmul is `nvfp4_ops.dot_general` with a fixed recipe.
 
-    The kernel is stored [in, out] in float32 (like `nnx.Linear`); the recipe and the
+    The kernel is stored [in, out] in float32 (like `nnx.Linear`); the optional bias (float32,
+    init 0) is added to the float32 GEMM output and is never quantized. The recipe and the
     `nvfp4_ops` backend ("auto", a name, or an order of names) are static attributes, so they
     are part of the graphdef and not of the parameters.
 
@@ -73,9 +74,11 @@ class QuantLinear(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         backend: str | tuple[str, ...] = "auto",
+        use_bias: bool = False,
     ):
         init = jax.nn.initializers.normal(stddev=init_std)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if use_bias else None
         self.recipe = recipe
         self.backend = backend
         self.dtype = dtype
@@ -95,7 +98,10 @@ class QuantLinear(nnx.Module):
         y = nvfp4_ops.dot_general(
             x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key,
             backend=self.backend,
-        ).astype(self.dtype)  # fmt: skip
+        )  # fmt: skip
+        if self.bias is not None:
+            y = y + self.bias[...]
+        y = y.astype(self.dtype)
         if self.capture_operands:
             self.sow(LinearOperand, OPERAND_X, x, reduce_fn=_latest)
             self.sow(LinearOperand, OPERAND_W, w, reduce_fn=_latest)
@@ -123,11 +129,33 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> jax.Array:
+    """float32 [head_dim / 2] RoPE frequencies, scaled as HF's `rope_type` says
+    (`model.RopeScaling`; None or "default": unscaled) with HF's formulas."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    kind = "default" if scaling is None else scaling.rope_type
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind != "llama3":
+        return inv_freq
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    positions_L: jax.Array, head_dim: int, theta: float
+    positions_L: jax.Array, head_dim: int, theta: float, scaling=None
 ) -> tuple[jax.Array, jax.Array]:
     """Rotary tables in the HF layout: float32 [L, head_dim], frequencies repeated over both halves."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs_LxHalf = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb_LxD = jnp.concatenate([freqs_LxHalf, freqs_LxHalf], axis=-1)
     return jnp.cos(emb_LxD), jnp.sin(emb_LxD)
@@ -144,8 +172,10 @@ class Attention(nnx.Module):
     """Causal grouped-query attention with one fused q/k/v projection.
 
     `qkv.kernel` is [d_model, (num_heads + 2 * num_kv_heads) * head_dim]: columns hold all q heads,
-    then all k heads, then all v heads, each head's `head_dim` columns contiguous. QK^T, softmax and
-    SV are not quantized (inputs in the compute dtype, float32 accumulation and softmax).
+    then all k heads, then all v heads, each head's `head_dim` columns contiguous (`qkv.bias`
+    likewise). With `qk_norm`, q and k are RMS-normalised per head (`q_norm`, `k_norm`, Qwen 3)
+    before RoPE. QK^T, softmax and SV are not quantized (inputs in the compute dtype, float32
+    accumulation and softmax).
     """
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
@@ -155,14 +185,18 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = QuantLinear(
             cfg.d_model, (nh + 2 * nkv) * hd, recipe=recipes[f"{prefix}.qkv"],
-            init_std=cfg.init_std, dtype=dtype, rngs=rngs, backend=backend,
+            init_std=cfg.init_std, dtype=dtype, rngs=rngs, backend=backend, use_bias=cfg.qkv_bias,
         )  # fmt: skip
         self.o = QuantLinear(
             nh * hd, cfg.d_model, recipe=recipes[f"{prefix}.o"],
-            init_std=out_std, dtype=dtype, rngs=rngs, backend=backend,
+            init_std=out_std, dtype=dtype, rngs=rngs, backend=backend, use_bias=cfg.o_bias,
         )  # fmt: skip
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
 
     def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
         b, l, _ = x_BxLxD.shape
@@ -172,7 +206,9 @@ class Attention(nnx.Module):
         q_BxLxHxK = q.reshape(b, l, nh, hd)
         k_BxLxGxK = k.reshape(b, l, nkv, hd)
         v_BxLxGxK = v.reshape(b, l, nkv, hd)
-        cos, sin = rope_cos_sin(jnp.arange(l), hd, self.rope_theta)
+        if self.qk_norm:
+            q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
+        cos, sin = rope_cos_sin(jnp.arange(l), hd, self.rope_theta, self.rope_scaling)
         q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
         k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
         out_BxLxHxK = causal_gqa(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)

@@ -4,7 +4,11 @@ Parameter tree (float32 master weights; kernels [in, out]):
     embed.embedding                 [vocab, d_model]
     layers.{i}.attn_norm.scale      [d_model]
     layers.{i}.attn.qkv.kernel      [d_model, (num_heads + 2 * num_kv_heads) * head_dim]  q|k|v
+    layers.{i}.attn.qkv.bias        [(num_heads + 2 * num_kv_heads) * head_dim]    (qkv_bias only)
+    layers.{i}.attn.q_norm.scale    [head_dim]                                     (qk_norm only)
+    layers.{i}.attn.k_norm.scale    [head_dim]                                     (qk_norm only)
     layers.{i}.attn.o.kernel        [num_heads * head_dim, d_model]
+    layers.{i}.attn.o.bias          [d_model]                                      (o_bias only)
     layers.{i}.mlp_norm.scale       [d_model]
     layers.{i}.mlp.gate_up.kernel   [d_model, 2 * mlp_dim]                                gate|up
     layers.{i}.mlp.down.kernel      [mlp_dim, d_model]
@@ -34,11 +38,8 @@ from nvfp4_train.stacking import LayerLayout, runs_of
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
 """The quantizable linears of each block, in the order their SR keys are derived (0..3)."""
-BLOCK_PARAMS = (
-    "attn_norm.scale", "attn.qkv.kernel", "attn.o.kernel",
-    "mlp_norm.scale", "mlp.gate_up.kernel", "mlp.down.kernel",
-)  # fmt: skip
-"""Every parameter of a block, relative to `layers.{i}`."""
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`)."""
 AUTO_SCAN_LAYERS = 8
 """`scan_layers: auto` scans models of at least this many blocks."""
 _NAMES = jax.checkpoint_policies.save_only_these_names(nvfp4_ops.RESIDUAL_NAME)
@@ -67,6 +68,40 @@ def _check(ok: bool, key: str, expected: str, actual: object) -> None:
         raise ValueError(f"model.{key} must be {expected}, got {actual!r}")
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as Hugging Face's `rope_scaling` / `rope_parameters` say it.
+
+    Attributes:
+        rope_type: "default" (none), "linear" (every frequency / `factor`) or "llama3"
+            (Llama 3.1/3.2: low frequencies / `factor`, high ones kept, a smooth ramp between).
+        factor: the context extension factor.
+        low_freq_factor, high_freq_factor: "llama3": the wavelength band
+            (`original_max_position_embeddings / factor`) of the ramp.
+        original_max_position_embeddings: "llama3": the context the model was pretrained on.
+    """
+
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        key = "rope_scaling"
+        _check(self.rope_type in ROPE_TYPES, f"{key}.rope_type", f"one of {ROPE_TYPES}",
+               self.rope_type)  # fmt: skip
+        _check(self.factor > 0, f"{key}.factor", "> 0", self.factor)
+        _check(0 < self.low_freq_factor < self.high_freq_factor, f"{key}.low_freq_factor",
+               f"> 0 and < high_freq_factor={self.high_freq_factor}", self.low_freq_factor)  # fmt: skip
+        _check(self.original_max_position_embeddings > 0,
+               f"{key}.original_max_position_embeddings", "> 0",
+               self.original_max_position_embeddings)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of the Llama decoder.
@@ -83,6 +118,17 @@ class ModelConfig:
         rope_theta: RoPE base frequency.
         rms_norm_eps: RMSNorm epsilon.
         tie_embeddings: Use the embedding matrix as the output head.
+        rope_scaling: RoPE frequency scaling (`RopeScaling`; Llama 3.1 / 3.2 use "llama3").
+        qkv_bias: q, k and v projections have biases (Qwen 2; Llama/Qwen 3 `attention_bias`).
+        o_bias: the output projection has a bias (Llama/Qwen 3 `attention_bias`).
+        qk_norm: RMSNorm over each head's q and k before RoPE, one [head_dim] scale each (Qwen 3).
+        architecture: the Hugging Face `model_type` the model is exported as ("llama",
+            "mistral", "qwen2", "qwen3"; `ARCHITECTURES`); the bias and norm options must be
+            ones it can express (e.g. qwen2: q/k/v biases and no o bias).
+        init_from: a Hugging Face model directory (`config.json`, safetensors weights,
+            `tokenizer.json`) to start from instead of a random init. The config loader fills
+            this section from its `config.json` (`nvfp4_train.hf_config`); a fresh run reads
+            its weights (`nvfp4_train.hf_weights`), a resumed one its checkpoint.
         init_std: Std of the normal init; `attn.o` and `mlp.down` use init_std / sqrt(2 * num_layers).
         dtype: Compute dtype: "bfloat16", "float32" or "float16" (parameters stay float32).
         scan_layers: Store each run of >= 2 consecutive blocks with the same recipes stacked and
@@ -109,6 +155,12 @@ class ModelConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    architecture: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    init_from: str = ""
     tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: str = "bfloat16"
@@ -134,6 +186,9 @@ class ModelConfig:
         _check(self.scan_layers in (True, False, "auto"), "scan_layers", "true, false or 'auto'",
                self.scan_layers)  # fmt: skip
         _check(self.remat in REMAT_POLICIES, "remat", f"one of {list(REMAT_POLICIES)}", self.remat)
+        _check(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
+               self.architecture)  # fmt: skip
+        _check_architecture(self)
         _check(
             self.num_heads % self.num_kv_heads == 0,
             "num_kv_heads",
@@ -194,6 +249,31 @@ class ModelConfig:
         return self
 
 
+def _check_architecture(cfg: ModelConfig) -> None:
+    """Raises ValueError unless `cfg.architecture` can express the bias and norm options."""
+    options = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "qk_norm": cfg.qk_norm}
+    allowed = {  # what each Hugging Face model class builds
+        "llama": [{"qkv_bias": b, "o_bias": b, "qk_norm": False} for b in (False, True)],
+        "mistral": [{"qkv_bias": False, "o_bias": False, "qk_norm": False}],
+        "qwen2": [{"qkv_bias": True, "o_bias": False, "qk_norm": False}],
+        "qwen3": [{"qkv_bias": b, "o_bias": b, "qk_norm": True} for b in (False, True)],
+    }[cfg.architecture]
+    if options not in allowed:
+        raise ValueError(
+            f"model.architecture={cfg.architecture!r} builds {' or '.join(map(str, allowed))}; "
+            f"got {options}"
+        )
+
+
+def block_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """Every parameter of a block, relative to `layers.{i}`, in tree order."""
+    attn = ["attn.qkv.kernel", "attn.o.kernel"]
+    attn += ["attn.qkv.bias"] * cfg.qkv_bias + ["attn.o.bias"] * cfg.o_bias
+    attn += ["attn.q_norm.scale", "attn.k_norm.scale"] * cfg.qk_norm
+    mlp = ["mlp.gate_up.kernel", "mlp.down.kernel"]
+    return ("attn_norm.scale", *attn, "mlp_norm.scale", *mlp)
+
+
 def linear_paths(cfg: ModelConfig) -> list[str]:
     """Module paths of every quantizable linear, e.g. `layers.0.attn.qkv`, in model order."""
     return [f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in LINEAR_NAMES]
@@ -211,7 +291,7 @@ def layer_layout(
 
     def signature(i: int) -> tuple:
         decays = tuple(
-            any(p.search(f"layers.{i}.{leaf}") for p in patterns) for leaf in BLOCK_PARAMS
+            any(p.search(f"layers.{i}.{leaf}") for p in patterns) for leaf in block_params(cfg)
         )
         return tuple(recipes[f"layers.{i}.{name}"] for name in LINEAR_NAMES), decays
 

@@ -8,6 +8,7 @@ refused with the differing keys.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from jax.sharding import Mesh
 
 from nvfp4_train.checkpoint import Checkpoints, Restored
 from nvfp4_train.config import Config, ConfigError, to_dict
+from nvfp4_train.hf_weights import load_hf_params
 from nvfp4_train.metrics import truncate_metrics
 from nvfp4_train.sharding import tree_shardings
-from nvfp4_train.step import init_state
+from nvfp4_train.step import init_state, state_from_params
 
 
 def abstract_state(cfg: Config) -> tuple[Any, Any]:
@@ -36,12 +38,13 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
 
 
 IMPLEMENTATION_KEYS = {
-    "model": ("scan_layers", "remat"),
+    "model": ("scan_layers", "remat", "init_from"),
     "precision": ("backend", "verify_backend"),
 }
 """Keys that say how a run computes, not what it computes: a run may resume on other ones
 (another machine, another backend, stacked blocks or not, another remat policy: checkpoints are
-per layer), so they are not compared."""
+per layer; the model directory a run started from, which may have moved), so they are not
+compared."""
 
 
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
@@ -107,6 +110,26 @@ def _report_unreadable(ckpts, step: int, error: Exception, say, set_aside: bool)
     say("trying the previous checkpoint")
 
 
+def _imported_state(cfg: Config, abstract: Any, shardings: Any, say: Callable[[str], None]) -> Any:
+    """The step-0 state of a run starting from the Hugging Face weights in `model.init_from`,
+    read straight into `shardings`."""
+    start = time.perf_counter()
+    params, unused = load_hf_params(
+        cfg.model.init_from, cfg.model, abstract.params, shardings.params
+    )
+    to_state = jax.jit(
+        lambda p: state_from_params(cfg, p), out_shardings=shardings, donate_argnums=0
+    )
+    state = to_state(params)
+    say(
+        f"initialised from {cfg.model.init_from} ({cfg.model.architecture}) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
+    if unused:
+        say(f"warning: {len(unused)} tensors of the checkpoint are not used: {unused[:8]}")
+    return state
+
+
 def resume_or_init(
     cfg: Config,
     run_dir: Path,
@@ -128,6 +151,8 @@ def resume_or_init(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
     restored = restore_newest_readable(cfg, run_dir, ckpts, target, say)
+    if restored is None and cfg.model.init_from:
+        return graphdef, _imported_state(cfg, abstract, shardings, say), 0
     if restored is None:  # initialised in place, already sharded
         state = jax.jit(lambda: init_state(cfg)[1], out_shardings=shardings)()
         return graphdef, state, 0

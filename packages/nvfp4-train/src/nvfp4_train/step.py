@@ -74,9 +74,19 @@ def init_state(
     )  # fmt: skip
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
+    return graphdef, state_from_params(
+        dataclasses.replace(cfg, model=model_cfg), params, optimizer=optimizer
+    )
+
+
+def state_from_params(
+    cfg, params: dict[str, Any], *, optimizer: optax.GradientTransformation | None = None
+) -> TrainState:
+    """The step-0 state of a run whose parameters are `params` (a fresh init, or weights
+    imported with `model.init_from`): fresh optimizer state, no activation statistics yet."""
     optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
-    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(model_cfg)})
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
+    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(cfg.model)})
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
 
 
 def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
