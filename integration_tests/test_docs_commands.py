@@ -5,7 +5,8 @@ blocks whose lines start with `$ `, a command followed by what it prints) are ex
 reading order: the README's quick start first, because later pages use the run it makes
 (`runs/tiny`). They run one after the other in one scratch directory that holds a copy of
 `examples/` and small stand-ins for the files the docs name as the reader's own (`corpus/`,
-`tokenizer.json`, `my_text.txt`, `model.safetensors`, ...: `_write_stand_ins`).
+`tokenizer.json`, `my_text.txt`, `model.safetensors`, a Hugging Face model `SmolLM2-135M/`, ...:
+`_write_stand_ins`).
 
 - A bash block runs command by command (`\\` continuations joined, `&&` chains split); each must
   exit 0. `pip install` commands are not run (the session has installed everything) but checked:
@@ -166,6 +167,7 @@ BLOCKS = all_blocks(REPO)
 
 def _write_stand_ins(root: Path) -> None:
     """The files the docs name as the reader's own, small and real."""
+    from hf_models import make_model
     from safetensors.numpy import save_file
 
     import nvfp4_format as nf
@@ -192,6 +194,8 @@ def _write_stand_ins(root: Path) -> None:
         save_file(tensors, str(root / path), metadata={"format": "pt"})
     (root / "exported").mkdir()
     save_file(tensors, str(root / "exported" / "model.safetensors"), metadata={"format": "pt"})
+    # the Hugging Face model the train README's guide starts from: small, random, Llama 3.2-style
+    make_model("llama3.2", root / "SmolLM2-135M")
 
 
 @pytest.fixture(scope="module")

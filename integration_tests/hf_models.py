@@ -1,0 +1,96 @@
+"""Small random Hugging Face models, made by transformers itself (no download), to import.
+
+Each case is a transformers config class and its keyword arguments: the architectures and options
+`model.init_from` accepts (Llama 2/3, Llama 3.2 with llama3 RoPE scaling and tied embeddings,
+attention biases, Mistral, Qwen 2 with q/k/v biases, Qwen 3 with q/k norms). Every parameter,
+norms and biases included, is drawn at random, so a norm or bias read into the wrong place shows.
+The tokenizer is a byte-level BPE trained on `TEXT` with the `<|endoftext|>` end-of-text token.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+TEXT = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and "
+    "void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face "
+    "of the waters. And God said, Let there be light: and there was light. And God saw the light, "
+    "that it was good: and God divided the light from the darkness. And God called the light Day, "
+    "and the darkness he called Night. And the evening and the morning were the first day."
+)
+VOCAB = 320
+EOS = "<|endoftext|>"
+_SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}  # fmt: skip
+CASES = {
+    "llama": ("LlamaConfig", {"rope_theta": 500000.0}),
+    "llama3.2": (
+        "LlamaConfig", {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True}
+    ),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3-bias": ("Qwen3Config", {"attention_bias": True, "tie_word_embeddings": True}),
+}  # fmt: skip
+"""case -> (transformers config class, options beyond `_SHAPE`)."""
+ARCHITECTURE = {case: kw[0].removesuffix("Config").lower() for case, kw in CASES.items()}
+
+
+def tokenizer():
+    """A byte-level BPE of `VOCAB` entries trained on `TEXT`, with `EOS`."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    return tok
+
+
+def make_model(case: str, out_dir: Path, *, seed: int = 0):
+    """Writes a random `case` model (float32 safetensors, config.json, tokenizer.json) to
+    `out_dir` with `save_pretrained`; returns the torch model in eval mode."""
+    import torch
+    import transformers
+
+    class_name, options = CASES[case]
+    options = copy.deepcopy(options)  # transformers writes rope_theta into a rope_scaling dict
+    config = getattr(transformers, class_name)(**_SHAPE, **options)
+    tok = tokenizer()
+    config.eos_token_id = config.bos_token_id = tok.token_to_id(EOS)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.save_pretrained(out_dir)
+    tok.save(str(out_dir / "tokenizer.json"))
+    return model
+
+
+def text_batch(rows: int, length: int):
+    """int [rows, length] tokens of `TEXT` (repeated as needed) under `tokenizer()`."""
+    import numpy as np
+
+    ids = tokenizer().encode(TEXT).ids
+    ids = (ids * (rows * length // len(ids) + 1))[: rows * length]
+    return np.asarray(ids, np.int32).reshape(rows, length)
