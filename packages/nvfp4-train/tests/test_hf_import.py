@@ -322,3 +322,19 @@ def test_weights_are_read_into_the_mesh_sharding(tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sharded ok" in done.stdout
+
+
+def test_the_cli_reports_a_bad_model_directory_in_one_line(tmp_path, capsys):
+    from pathlib import Path
+
+    from nvfp4_train.cli import main
+
+    bad = {**QWEN3, "model_type": "gpt_neox"}
+    model_dir = write_model(tmp_path / "m", bad, {})
+    tiny = Path(__file__).resolve().parents[3] / "examples/configs/tiny.yaml"
+    assert main(["show-config", str(tiny), f"model.init_from={model_dir}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: model.init_from: model_type 'gpt_neox' is not supported (supported: "
+        "('llama', 'mistral', 'qwen2', 'qwen3'))"
+    ]

@@ -332,3 +332,49 @@ def make_progress(
     use_rich = mode == "rich" or (mode == "auto" and stream.isatty())
     cls = RichProgress if use_rich else PlainProgress
     return cls(total, initial, stream)
+
+
+class RunOutputs:
+    """A run's writers: metrics.jsonl, TensorBoard (process 0 only: one writer per run
+    directory) and the progress display.
+
+    Args:
+        logging: the `logging:` section (TensorBoard on/off, progress kind).
+        total_steps, start: the run's `train.steps` and the step it starts from.
+        metrics_path, tensorboard_dir: where rows go.
+        stream: where progress goes.
+        primary: whether this process writes files.
+    """
+
+    def __init__(self, logging: Any, *, total_steps: int, start: int, metrics_path: Path,
+                 tensorboard_dir: Path, stream: TextIO, primary: bool) -> None:  # fmt: skip
+        self.progress = make_progress(
+            logging.progress, total=total_steps, initial=start, stream=stream
+        )
+        self.metrics = MetricsFile(metrics_path, say=self.progress.message) if primary else None
+        self.tensorboard = None
+        if logging.tensorboard and primary:
+            self.tensorboard = TensorBoard(tensorboard_dir, purge_step=start + 1 if start else None)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.append(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """A training row: to metrics.jsonl, TensorBoard and the progress display."""
+        self._append(row)
+        self.progress.update(row["step"], row)
+
+    def write_quant(self, row: dict[str, Any]) -> None:
+        """A telemetry row: to metrics.jsonl and TensorBoard, its summary to the progress."""
+        self._append(row)
+        self.progress.message(f"[{row['step']}] {format_row(row)}")
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

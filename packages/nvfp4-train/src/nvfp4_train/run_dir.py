@@ -25,6 +25,13 @@ from pathlib import Path
 from nvfp4_train.config import ConfigError
 
 LOCK_FILE = ".nvfp4-train.lock"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+TOKENIZER_DIR = "tokenizer"
+"""What a run directory holds (docs/checkpoint-schema.md): the resolved config, the metrics rows,
+orbax checkpoints, TensorBoard events and the tokenizer."""
 
 
 def make_run_dir(path: Path) -> Path:

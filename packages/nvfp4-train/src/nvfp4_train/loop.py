@@ -1,0 +1,323 @@
+"""One training session: the compiled step functions of each precision phase and the step loop.
+
+`TrainingLoop(cfg, graphdef, datasets, ckpts, say, mesh, state).train(...)` runs steps
+`start + 1 .. train.steps` of a state already restored or initialised (`nvfp4_train.run` sets
+that up): each step asks `nvfp4_train.cadence.due` what else happens (metrics row, evaluation,
+checkpoint, telemetry probe) and runs the train step of its `Phase` (the BF16-forward phase from
+`precision.bf16_forward_from` on, compiled when the switch is reached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, TextIO
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nvfp4_train.cadence import Due, due
+from nvfp4_train.checkpoint import Checkpoints
+from nvfp4_train.config import Config, to_dict
+from nvfp4_train.errors import RunError
+from nvfp4_train.health import make_health_tracker
+from nvfp4_train.metrics import RunOutputs, format_row, quant_row, summarize_window
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.policy import bf16_forward_start, layer_recipe_names
+from nvfp4_train.run_dir import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
+from nvfp4_train.sharding import batch_sharding, global_batch, host_value
+from nvfp4_train.step import flat_amax, forward, make_eval_step, make_train_step, model_graphdef
+from nvfp4_train.stop import StopRequest
+from nvfp4_train.telemetry import make_quant_probe, step_key
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a finished `run` reports.
+
+    Attributes:
+        run_dir: the run directory.
+        start_step: the step training started from (0, or the resumed checkpoint's step).
+        final_step: the step training stopped at (`train.steps`).
+        last_loss: the last logged training loss (None if no step ran).
+        val_loss: the last validation loss (None if there is no validation split or no step ran).
+        stopped_by: the signal name (`SIGTERM`, `SIGINT`) that stopped the run early after
+            saving a checkpoint at `final_step`, or None when it ran to `train.steps`.
+    """
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    last_loss: float | None
+    val_loss: float | None
+    stopped_by: str | None = None
+
+
+def evaluate(eval_step: Callable, params: Any, batches: Sequence[dict]) -> float:
+    """Mean validation loss (nats per token) over `batches`."""
+    loss_sum, tokens = 0.0, 0.0
+    for batch in batches:
+        batch_loss, batch_tokens = eval_step(params, batch)
+        loss_sum += float(host_value(batch_loss))
+        tokens += float(host_value(batch_tokens))
+    if tokens == 0:
+        raise ValueError("batches must hold at least one target token, got none")
+    return loss_sum / tokens
+
+
+def reference_tokens(cfg: Config, datasets: Any) -> np.ndarray | None:
+    """int32 [n, L] tokens of the checkpoints' `reference` item, or None.
+
+    The first `checkpoint.reference_sequences` validation sequences (the same on every process),
+    cut to `L = min(train.seq_len, 64)` tokens; None when that is 0 or there is no validation split.
+    """
+    n = min(cfg.checkpoint.reference_sequences, len(datasets.validation_sequences))
+    if n == 0:
+        return None
+    length = min(cfg.train.seq_len, 64)
+    rows = [datasets.validation_sequences[i]["inputs"][:length] for i in range(n)]
+    return np.stack(rows).astype(np.int32)
+
+
+def eval_batches(cfg: Config, datasets: Any) -> list[dict]:
+    batches = list(datasets.validation_batches())
+    return batches if cfg.train.eval_batches is None else batches[: cfg.train.eval_batches]
+
+
+def _agreed(flag: bool) -> bool:
+    """True on every process when it is True on any (one process may get the signal first)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+
+
+class Phase(NamedTuple):
+    """The step functions of one precision phase, jitted with the state's shardings (compiled
+    when first called): before `precision.bf16_forward_from` and, with the BF16 forward, after."""
+
+    train: Callable
+    eval: Callable
+    probe: Callable
+
+
+class TrainingLoop:
+    """One training session from `start` to `train.steps` (compiled steps and helpers)."""
+
+    def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say, mesh,
+                 state) -> None:  # fmt: skip
+        self.cfg, self.ckpts, self.say, self.mesh = cfg, ckpts, say, mesh
+        self.optimizer = make_optimizer(cfg, cfg.train.steps)
+        self.state_sh = jax.tree.map(lambda x: x.sharding, state)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
+        self.switch = bf16_forward_start(cfg.precision, cfg.train.steps)
+        early = self._phase(graphdef)
+        late = early if self.switch is None else self._phase(model_graphdef(cfg, bf16_forward=True))
+        self.phases = (early, late)
+        self.health = make_health_tracker(cfg.logging.quant_health)
+        self.health_state = self.health.init()
+        self.val_batches = [global_batch(b, self.batch_sh) for b in eval_batches(cfg, datasets)]
+        self.streak = (0, 0)  # (how many, first step) of the latest consecutive non-finite steps
+        self.config_dict = to_dict(cfg)
+        self.recipes = layer_recipe_names(cfg.model, cfg.precision)
+        self.reference_tokens = reference_tokens(cfg, datasets)
+        seed = cfg.train.seed
+        self.forward = jax.jit(
+            lambda p, t: forward(graphdef, p, t, jax.random.key(seed)),
+            in_shardings=(self.state_sh.params, self.replicated),
+            out_shardings=self.replicated,
+        )
+
+    def _phase(self, graphdef: Any) -> Phase:
+        """The jitted steps of `graphdef` with the state's shardings."""
+        cfg, mesh, state_sh = self.cfg, self.mesh, self.state_sh
+        return Phase(
+            train=jax.jit(
+                make_train_step(cfg, graphdef, self.optimizer, mesh),
+                in_shardings=(state_sh, self.batch_sh),
+                out_shardings=(state_sh, self.replicated),
+                donate_argnums=0,
+            ),
+            eval=jax.jit(
+                make_eval_step(cfg, graphdef, mesh),
+                in_shardings=(state_sh.params, self.batch_sh),
+                out_shardings=self.replicated,
+            ),
+            probe=jax.jit(make_quant_probe(cfg, graphdef, mesh), out_shardings=self.replicated),
+        )
+
+    def phase(self, completed: int) -> Phase:
+        """The phase of the steps after `completed` ones."""
+        return self.phases[self.switch is not None and completed >= self.switch]
+
+    def _compile(self, phase: Phase, state: Any, batch: Any, completed: int) -> Callable:
+        """`phase`'s train step compiled for `state` and `batch`; says how long that took and,
+        when the steps after `completed` run the BF16 forward, that they do."""
+        t0 = time.perf_counter()
+        step_fn = phase.train.lower(state, batch).compile()
+        self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        if phase is not self.phases[0]:
+            switch = self.switch
+            what = "now run" if completed == switch else f"run (since step {switch})"
+            self.say(
+                f"step {completed}: forward GEMMs of the quantized linears {what} in BF16 "
+                f"(precision.bf16_forward_from={self.cfg.precision.bf16_forward_from})"
+            )
+        return step_fn
+
+    def save(self, step: int, state: Any, iterator: Any) -> None:
+        """Writes the checkpoint of `step` with its quant_stats and reference items.
+
+        The reference logits always come from the quantized forward of `quant_stats["recipes"]`
+        (what an export reproduces), also after a `precision.bf16_forward_from` switch.
+        """
+        amax = {k: float(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
+        quantized = [p for p, name in self.recipes.items() if name != "bf16"]
+        stats = {"recipes": self.recipes, "activation_amax": {p: amax[p] for p in quantized}}
+        reference = None
+        if self.reference_tokens is not None:
+            logits = self.forward(state.params, self.reference_tokens)
+            reference = {
+                "tokens": self.reference_tokens,
+                "logits": np.asarray(host_value(logits), np.float32),
+            }
+        self.ckpts.save(
+            step, state, data_iter_state=iterator.get_state(), config=self.config_dict,
+            quant_stats=stats, reference=reference,
+        )  # fmt: skip
+
+    def _check_divergence(self, host: list, last_step: int) -> None:
+        """Raises RunError after `train.stop_after_nonfinite` consecutive skipped/NaN steps."""
+        for step in range(last_step - len(host) + 1, last_step + 1):
+            metrics = host[step - last_step - 1]
+            bad = bool(metrics["skipped"]) or not np.isfinite(float(metrics["loss"]))
+            count, first = self.streak
+            self.streak = (count + 1, first if count else step) if bad else (0, 0)
+        count, first = self.streak
+        limit = self.cfg.train.stop_after_nonfinite
+        if limit and count >= limit:
+            kept = self.ckpts.latest_step()
+            raise RunError(
+                f"training diverged: the {count} steps {first}..{last_step} were all "
+                "skipped as non-finite or had a non-finite loss (train.stop_after_nonfinite="
+                f"{limit}); stopping. "
+                + (f"The newest checkpoint, step {kept}, is kept. " if kept is not None else "")
+                + "Lower optimizer.learning_rate (or check the data) and run again."
+            )  # fmt: skip
+
+    def _report_quant(self, outputs: RunOutputs, step: int, quant: Any) -> None:
+        """Writes the telemetry row of `step` and prints the health warnings it raises."""
+        row = quant_row(step, jax.tree.map(host_value, quant))
+        outputs.write_quant(row)
+        self.health_state, lines = self.health.update(self.health_state, row["quant"], step=step)
+        for line in lines:
+            outputs.progress.message(line)
+
+    def _probe(self, phase: Phase, state: Any, batch: Any, step: int) -> tuple[Any, float]:
+        """(telemetry of step `step`, seconds it took): what the step is about to quantize (its
+        params, batch and SR key)."""
+        jax.block_until_ready(state.params)  # the steps before it are step time
+        t0 = time.perf_counter()
+        quant = phase.probe(state.params, batch, step_key(self.cfg, step - 1))
+        quant = jax.block_until_ready(quant)  # done before the step donates the params
+        return quant, time.perf_counter() - t0
+
+    def _write_row(self, outputs: RunOutputs, phase: Phase, step: int, window: list,
+                   seconds: float, state: Any, evaluate_now: bool) -> dict[str, Any]:  # fmt: skip
+        """Writes (and returns) the metrics row of the steps of `window` ending at `step`, with
+        `val_loss` when `evaluate_now`; stops a diverged run."""
+        host = [jax.tree.map(host_value, m) for m in window]  # waits for them
+        tokens = self.cfg.train.batch_size * self.cfg.train.seq_len * len(host)
+        row = summarize_window(
+            host, step=step, seconds=seconds, tokens=tokens,
+            skipped_total=int(host[-1]["skipped_total"]),
+        )  # fmt: skip
+        if self.cfg.precision.loss_scaling != "none":
+            row["loss_scale"] = float(host[-1]["loss_scale"])
+        if evaluate_now:
+            row["val_loss"] = evaluate(phase.eval, state.params, self.val_batches)
+        outputs.write(row)
+        self._check_divergence(host, step)
+        return row
+
+    def _due(self, step: int) -> Due:
+        cfg = self.cfg
+        return due(step, cfg.train, cfg.checkpoint, cfg.logging, validation=bool(self.val_batches))
+
+    def train(
+        self, state, iterator, run_dir: Path, start: int, stream: TextIO, stop: StopRequest
+    ) -> RunSummary:
+        """Runs steps `start + 1 .. train.steps`, writing rows and checkpoints as `due` says.
+
+        After a stop signal the current step finishes, its metrics row and a checkpoint are
+        written, and the run returns early with `stopped_by` set.
+        """
+        batch = global_batch(next(iterator), self.batch_sh)
+        phase = self.phase(start)
+        step_fn = self._compile(phase, state, batch, start)
+        outputs = _outputs(self.cfg, run_dir, start, stream)
+        window, rows, step, t_window = [], [], start, time.perf_counter()
+        try:
+            for step in range(start + 1, self.cfg.train.steps + 1):
+                batch = batch if step == start + 1 else global_batch(next(iterator), self.batch_sh)
+                now = self._due(step)
+                quant, probe_seconds = (
+                    self._probe(phase, state, batch, step) if now.probe else (None, 0.0)
+                )
+                t_window += probe_seconds  # the probe does not count as step time
+                state, step_metrics = step_fn(state, batch)
+                window.append(step_metrics)
+                if quant is not None:
+                    self._report_quant(outputs, step, quant)
+                if self.phase(step) is not phase:  # later steps run the BF16 forward
+                    jax.block_until_ready(state)  # so that only the compile is left out
+                    t0, phase = time.perf_counter(), self.phase(step)
+                    step_fn = self._compile(phase, state, batch, step)
+                    t_window += time.perf_counter() - t0
+                stopping = _agreed(stop.signal is not None)
+                if stopping or now.row:
+                    seconds = time.perf_counter() - t_window
+                    rows.append(
+                        self._write_row(outputs, phase, step, window, seconds, state, now.evaluate)
+                    )
+                    window = []
+                else:
+                    outputs.progress.update(step)
+                if stopping or now.checkpoint:
+                    self.save(step, state, iterator)
+                if stopping:
+                    break
+                if not window:  # evaluation and checkpointing do not count as step time
+                    t_window = time.perf_counter()
+        finally:
+            outputs.close()
+        return self._finish(rows, run_dir, start, step, stop)
+
+    def _finish(self, rows: list, run_dir: Path, start: int, step: int, stop) -> RunSummary:
+        """Waits for the checkpoints, says how the run ended and summarises it."""
+        self.ckpts.wait()
+        if stop.signal is not None:
+            self.say(
+                f"stopped by {stop.name} after step {step}; checkpoint saved in "
+                f"{self.ckpts.directory / str(step)}. To resume, rerun the same command "
+                f"(or: nvfp4-train run {run_dir / CONFIG_FILE})"
+            )
+        else:
+            self.say(f"done: {format_row(rows[-1])}")
+        val = [r["val_loss"] for r in rows if "val_loss" in r]
+        return RunSummary(
+            run_dir, start, step, rows[-1]["loss"], val[-1] if val else None,
+            stop.name or None,
+        )  # fmt: skip
+
+
+def _outputs(cfg: Config, run_dir: Path, start: int, stream: TextIO) -> RunOutputs:
+    return RunOutputs(
+        cfg.logging, total_steps=cfg.train.steps, start=start,
+        metrics_path=run_dir / METRICS_FILE, tensorboard_dir=run_dir / TENSORBOARD_DIR,
+        stream=stream, primary=jax.process_index() == 0,
+    )  # fmt: skip
