@@ -20,6 +20,7 @@ from conftest import write_run  # noqa: E402  (the export tests' fake-run writer
 import nvfp4_format as nf  # noqa: E402
 import nvfp4_ops  # noqa: E402
 from nvfp4_export import ExportError, export_hf  # noqa: E402
+from nvfp4_export.checkpoint import CHECKPOINTS_DIR, PARAMS_ITEM  # noqa: E402
 from nvfp4_export.cli import main as export_main  # noqa: E402
 from nvfp4_format.cli import main as format_main  # noqa: E402
 from nvfp4_ops.cli import main as ops_main  # noqa: E402
@@ -328,7 +329,7 @@ def test_ops_doctor_json_needs_verify(capsys):
 
 def test_corrupt_and_tampered_checkpoints_are_refused_by_export(place, tmp_path, capsys):
     run = shutil.copytree(place / "run", tmp_path / "run")
-    params = [p for p in (run / "checkpoints" / "2" / "params").rglob("*") if p.is_file()]
+    params = [p for p in (run / CHECKPOINTS_DIR / "2" / PARAMS_ITEM).rglob("*") if p.is_file()]
     for p in params:
         p.write_bytes(b"garbage")
     assert export_main(["hf", str(run), str(tmp_path / "o"), "--layout", "modelopt"]) == 2

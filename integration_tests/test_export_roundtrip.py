@@ -18,10 +18,26 @@ import pytest
 
 from nvfp4_export import export_hf, export_onnx, forward, read_checkpoint, resolve_checkpoint
 from nvfp4_export.calibrate import calibrate
+from nvfp4_export.checkpoint import QUANT_STATS_ITEM, REFERENCE_ITEM
 from nvfp4_export.model_spec import spec_from_config
 from nvfp4_export.policy import linear_recipes
-from nvfp4_export.reload import load_export, weights_from_checkpoint, weights_from_export
-from nvfp4_export.verify import _bf16_dense, _bf16_weights, verify
+from nvfp4_export.reload import (
+    bf16_dense,
+    bf16_weights,
+    load_export,
+    weights_from_checkpoint,
+    weights_from_export,
+)
+from nvfp4_export.verify import verify
+from nvfp4_format.layout_names import (
+    INPUT_GLOBAL_SCALE,
+    INPUT_SCALE,
+    WEIGHT,
+    WEIGHT_GLOBAL_SCALE,
+    WEIGHT_PACKED,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (
@@ -75,7 +91,7 @@ def run(tmp_path_factory) -> Path:
     tokens = ids[: 3 * 32].reshape(3, 32)
     step_dir = ckpt.ref.step_dir
     ocp.PyTreeCheckpointer().save(
-        (step_dir / "reference").absolute(),
+        (step_dir / REFERENCE_ITEM).absolute(),
         {"tokens": tokens, "logits": _jax_logits(ckpt, tokens)},
         force=True,
     )
@@ -90,7 +106,7 @@ def run(tmp_path_factory) -> Path:
     assert written.get("recipes", recipes) == recipes
     stats = {**written, "recipes": recipes, "activation_amax": amax}
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(
-        (step_dir / "quant_stats").absolute(), stats, force=True
+        (step_dir / QUANT_STATS_ITEM).absolute(), stats, force=True
     )
     return run_dir
 
@@ -128,7 +144,7 @@ def test_exports_verify_ok_and_are_w4a4_from_quant_stats(run, exports):
         report = verify(path, against=run)
         assert report.ok, (name, report)
         if name != "onnx":
-            assert load_export(path).provenance["input_amax_from"] == "quant_stats"
+            assert load_export(path).provenance["input_amax_from"] == QUANT_STATS_ITEM
     for name in ("modelopt", "compressed-tensors"):
         done = subprocess.run(
             [
@@ -149,13 +165,13 @@ def test_exports_verify_ok_and_are_w4a4_from_quant_stats(run, exports):
 def test_modelopt_and_compressed_tensors_hold_the_same_fp4_bytes(exports):
     mo = load_export(exports["modelopt"]).tensors
     ct = load_export(exports["compressed-tensors"]).tensors
-    packed = [n[: -len(".weight_packed")] for n in ct if n.endswith(".weight_packed")]
+    packed = [n[: -len(WEIGHT_PACKED) - 1] for n in ct if n.endswith("." + WEIGHT_PACKED)]
     assert packed
     for m in packed:
-        assert mo[m + ".weight"].tobytes() == ct[m + ".weight_packed"].tobytes()
-        assert mo[m + ".weight_scale"].tobytes() == ct[m + ".weight_scale"].tobytes()
-        assert mo[m + ".weight_scale_2"] == np.float32(1.0) / ct[m + ".weight_global_scale"][0]
-        assert mo[m + ".input_scale"] == np.float32(1.0) / ct[m + ".input_global_scale"][0]
+        assert mo[f"{m}.{WEIGHT}"].tobytes() == ct[f"{m}.{WEIGHT_PACKED}"].tobytes()
+        assert mo[f"{m}.{WEIGHT_SCALE}"].tobytes() == ct[f"{m}.{WEIGHT_SCALE}"].tobytes()
+        assert mo[f"{m}.{WEIGHT_SCALE_2}"] == np.float32(1.0) / ct[f"{m}.{WEIGHT_GLOBAL_SCALE}"][0]
+        assert mo[f"{m}.{INPUT_SCALE}"] == np.float32(1.0) / ct[f"{m}.{INPUT_GLOBAL_SCALE}"][0]
 
 
 @pytest.mark.skipif(
@@ -171,7 +187,7 @@ def test_transformers_loads_compressed_tensors_export_and_matches(run, exports):
     ref = read_checkpoint(resolve_checkpoint(run)).reference
     hf = transformers_logits(path, ref["tokens"])
     same = forward(
-        _bf16_weights(weights_from_export(load_export(path))),
+        bf16_weights(weights_from_export(load_export(path))),
         ref["tokens"],
         activations="none",
         compute_dtype="float32",
@@ -199,7 +215,7 @@ def test_onnxruntime_runs_the_onnx_file_and_matches(run, exports):
     spec = spec_from_config(ckpt.config, ckpt.params)
     ref = ckpt.reference
     got = onnxruntime_logits(exports["onnx"], ref["tokens"])
-    weights = _bf16_dense(
+    weights = bf16_dense(
         weights_from_checkpoint(ckpt, spec, linear_recipes(spec, ckpt.config, ckpt.quant_stats), {})
     )
     same = forward(weights, ref["tokens"], activations="none", compute_dtype="float32")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from nvfp4_export import export_hf
+from nvfp4_export.checkpoint import CONFIG_ITEM, PARAMS_ITEM
 
 PRESET = {"vocab_size": 32000, "d_model": 2048, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
           "mlp_dim": 8192, "max_seq_len": 2048, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -62,7 +63,7 @@ def _write_checkpoint(run_dir: Path, model: dict, precision: dict) -> int:
     config = {"model": model, "precision": precision}
     options = ocp.CheckpointManagerOptions(create=True)
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
-        items = {"params": ocp.args.StandardSave(params), "config": ocp.args.JsonSave(config)}
+        items = {PARAMS_ITEM: ocp.args.StandardSave(params), CONFIG_ITEM: ocp.args.JsonSave(config)}
         manager.save(1, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
     return n

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nvfp4_export.checkpoint import CONFIG_ITEM, PARAMS_ITEM, QUANT_STATS_ITEM, REFERENCE_ITEM
+
 VOCAB = 257  # byte tokenizer: 256 bytes + <|endoftext|>
 
 
@@ -116,13 +118,13 @@ def write_run(
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
         for k, step in enumerate(steps):
             items = {
-                "params": ocp.args.StandardSave(random_params(model, seed + k)),
-                "config": ocp.args.JsonSave(config),
+                PARAMS_ITEM: ocp.args.StandardSave(random_params(model, seed + k)),
+                CONFIG_ITEM: ocp.args.JsonSave(config),
             }
             if quant_stats is not None:
-                items["quant_stats"] = ocp.args.JsonSave(quant_stats)
+                items[QUANT_STATS_ITEM] = ocp.args.JsonSave(quant_stats)
             if reference is not None:
-                items["reference"] = ocp.args.StandardSave(reference)
+                items[REFERENCE_ITEM] = ocp.args.StandardSave(reference)
             manager.save(step, args=ocp.args.Composite(**items), force=True)
         manager.wait_until_finished()
     return run_dir

@@ -9,6 +9,7 @@ from conftest import add_pytree_item, write_run
 
 import nvfp4_format
 from nvfp4_export import ExportError, export_hf, load_export
+from nvfp4_export.checkpoint import QUANT_STATS_ITEM
 from nvfp4_export.invariants import layout_problems
 from nvfp4_format.cli import inspect_checkpoint
 
@@ -108,7 +109,7 @@ def test_w4a4_from_quant_stats_writes_shared_input_scales(tmp_path):
     run = write_run(tmp_path / "run", quant_stats=stats)
     mo = export_hf(run, tmp_path / "mo", layout="modelopt")
     ct = export_hf(run, tmp_path / "ct", layout="compressed-tensors")
-    assert mo.plan.w4a4 and mo.amax_source == "quant_stats"
+    assert mo.plan.w4a4 and mo.amax_source == QUANT_STATS_ITEM
     a, b = load_export(mo.out_dir).tensors, load_export(ct.out_dir).tensors
     amax = stats["activation_amax"]["layers.1.attn.qkv"]
     for m in ("q_proj", "k_proj", "v_proj"):

@@ -16,7 +16,7 @@ from conftest import write_run
 
 from nvfp4_export import ExportError, export_hf, verify
 from nvfp4_export.cli import main
-from nvfp4_export.onnx_file import export_onnx
+from nvfp4_export.onnx_export import export_onnx
 from nvfp4_export.output_dir import remove_leftovers
 
 

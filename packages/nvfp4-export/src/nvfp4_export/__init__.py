@@ -17,7 +17,7 @@ from nvfp4_export.hf_export import ExportResult, export_hf
 from nvfp4_export.layouts import LAYOUTS
 from nvfp4_export.linears import ExportedLinear, export_linear
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
-from nvfp4_export.onnx_file import export_onnx
+from nvfp4_export.onnx_export import export_onnx
 from nvfp4_export.policy import linear_recipes
 from nvfp4_export.reload import load_export
 from nvfp4_export.verify import VerifyReport, verify

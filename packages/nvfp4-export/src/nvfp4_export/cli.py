@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from nvfp4_export.errors import ExportError
 from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from nvfp4_export.layouts import LAYOUTS
+from nvfp4_export.onnx_graph import FORMS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
     ox.add_argument("checkpoint")
     ox.add_argument("out_file")
-    ox.add_argument("--form", choices=("portable", "dq"), default="portable",
+    ox.add_argument("--form", choices=tuple(FORMS), default="portable",
                     help="portable: opset 18, runs on onnxruntime CPU; dq: opset 23 DequantizeLinear(FLOAT4E2M1)")  # fmt: skip
     ox.add_argument("--step", type=int, default=None)
     ox.add_argument("--overwrite", action="store_true")
@@ -62,7 +63,7 @@ def _hf(args: argparse.Namespace) -> int:
 
 
 def _onnx(args: argparse.Namespace) -> int:
-    from nvfp4_export.onnx_file import export_onnx
+    from nvfp4_export.onnx_export import export_onnx
 
     path = export_onnx(
         args.checkpoint, args.out_file, form=args.form, step=args.step, overwrite=args.overwrite

@@ -15,7 +15,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-import nvfp4_format
+from nvfp4_export.formats import FORMATS
 from nvfp4_export.model_spec import LlamaSpec
 
 ACTIVATION_MODES = ("none", "dynamic", "static")
@@ -28,8 +28,10 @@ class ForwardLinear:
 
     Attributes:
         w_OxI: float32 [out, in] weight values the model multiplies with.
-        act_fmt: "nvfp4", "mxfp4" (the recipe quantizes the input) or "none".
-        act_amax: the fixed input amax for "static" activations (NVFP4), or None.
+        act_fmt: a `formats.FORMATS` name ("nvfp4", "mxfp4": the recipe quantizes the input) or
+            "none".
+        act_amax: the fixed input amax for "static" activations (formats with
+            `calibrated_input`, NVFP4), or None.
     """
 
     w_OxI: np.ndarray
@@ -68,14 +70,15 @@ def _rms_norm(x, scale, eps, rnd):
 def _quantize_input(x_NxK: np.ndarray, lin: ForwardLinear, mode: str) -> np.ndarray:
     if mode == "none" or lin.act_fmt == "none":
         return x_NxK
-    if lin.act_fmt == "mxfp4":
-        return nvfp4_format.dequantize_mxfp4(nvfp4_format.quantize_mxfp4(x_NxK, "ocp"))
+    f = FORMATS[lin.act_fmt]
     amax = None
-    if mode == "static":
+    if mode == "static" and f.calibrated_input:
         if lin.act_amax is None:
-            raise ValueError("activations='static' needs act_amax on every NVFP4 linear, got None")
+            raise ValueError(
+                f"activations='static' needs act_amax on every {f.label} linear, got None"
+            )
         amax = np.float32(lin.act_amax)
-    return nvfp4_format.dequantize(nvfp4_format.quantize(x_NxK, (1, 16), global_amax=amax))
+    return f.quantize_input(x_NxK, amax)
 
 
 def _linear(x_BxLxI, lin: ForwardLinear, mode: str, rnd, amax_out: dict | None, key: str,

@@ -7,14 +7,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-
 from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
-from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
+from nvfp4_export.checkpoint import (
+    QUANT_STATS_ITEM,
+    Checkpoint,
+    read_checkpoint,
+    resolve_checkpoint,
+)
 from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
 from nvfp4_export.hf_files import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
     copy_tokenizer,
+    dense_tensors,
     generation_config,
     hf_config,
     special_token_ids,
@@ -28,7 +35,7 @@ from nvfp4_export.layouts import (
     plan_layout,
     quantization_config,
 )
-from nvfp4_export.linears import ExportedLinear, export_linear, hf_modules
+from nvfp4_export.linears import ExportedLinear, export_linear
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes
@@ -62,34 +69,6 @@ class ExportResult:
     notes: tuple[str, ...]
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16))
-
-
-def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Embeddings, norms, biases and lm_head in BF16 under their HF names (a fused q|k|v bias
-    split like its kernel)."""
-    out = {"model.embed_tokens.weight": _bf16(params["embed.embedding"])}
-    for i in range(spec.num_layers):
-        p, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = _bf16(params[p + "attn_norm.scale"])
-        out[hf + "post_attention_layernorm.weight"] = _bf16(params[p + "mlp_norm.scale"])
-        if spec.qkv_bias:
-            bias, start = params[p + "attn.qkv.bias"], 0
-            for name, rows in hf_modules(spec, p + "attn.qkv"):
-                out[name + ".bias"] = _bf16(bias[start : start + rows])
-                start += rows
-        if spec.o_bias:
-            out[hf + "self_attn.o_proj.bias"] = _bf16(params[p + "attn.o.bias"])
-        if spec.qk_norm:
-            out[hf + "self_attn.q_norm.weight"] = _bf16(params[p + "attn.q_norm.scale"])
-            out[hf + "self_attn.k_norm.weight"] = _bf16(params[p + "attn.k_norm.scale"])
-    out["model.norm.weight"] = _bf16(params["final_norm.scale"])
-    if not spec.tie_embeddings:
-        out["lm_head.weight"] = _bf16(params["lm_head.kernel"].T)
-    return out
-
-
 def _input_amax(
     ckpt: Checkpoint,
     spec: LlamaSpec,
@@ -105,7 +84,7 @@ def _input_amax(
         )
         return calibrate(weights, tokens), "calibration"
     stats = amax_from_stats(ckpt.quant_stats, paths)
-    return stats, ("quant_stats" if stats else None)
+    return stats, (QUANT_STATS_ITEM if stats else None)
 
 
 def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
@@ -119,13 +98,14 @@ def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...
     Raises:
         ExportError: a ModelOpt export would silently become W4A16_NVFP4.
     """
-    if plan.fmt != "nvfp4" or plan.w4a4 or weight_only:
+    if not calibrated_input(plan.fmt) or plan.w4a4 or weight_only:
         return ()
     why = (
-        "the checkpoint has no quant_stats.activation_amax for every NVFP4 linear and "
-        "--calibrate was not given, so there are no input scales"
+        f"the checkpoint has no {QUANT_STATS_ITEM}.activation_amax for every "
+        f"{FORMATS[plan.fmt].label} linear and --calibrate was not given, so there are no input "
+        "scales"
     )
-    if plan.layout == "modelopt":
+    if plan.layout == MODELOPT:
         raise ExportError(
             f"{why}: a W4A4 ModelOpt export (quant_algo NVFP4) needs them. Pass --calibrate N "
             "(input scales from N sequences of the run's validation data), or --weight-only "
@@ -149,7 +129,7 @@ def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan) 
         "excluded": list(plan.excluded),
         "spec": dataclasses.asdict(spec),
         "recipes": recipes,
-        "recipes_from": "quant_stats" if (ckpt.quant_stats or {}).get("recipes") else "config",
+        "recipes_from": QUANT_STATS_ITEM if (ckpt.quant_stats or {}).get("recipes") else "config",
         "input_amax": amax if plan.w4a4 else {},
         "input_amax_from": source if plan.w4a4 else None,
     }
@@ -162,17 +142,15 @@ def _write_dir(out, ckpt, spec, linears, plan, provenance, max_shard_bytes) -> l
     files = write_weights(out, tensors, max_shard_bytes)
     bos, eos = special_token_ids(ckpt.tokenizer_dir)
     config = hf_config(spec, eos_token_id=eos, bos_token_id=bos)
-    if plan.fmt != "bf16":
+    if plan.fmt != BF16:
         config["quantization_config"] = quantization_config(plan)
-    write_json(out / "config.json", config)
-    write_json(
-        out / "generation_config.json", generation_config(eos_token_id=eos, bos_token_id=bos)
-    )
-    files += ["config.json", "generation_config.json"]
-    modelopt = hf_quant_config(plan) if plan.fmt != "bf16" else None
+    write_json(out / CONFIG_FILE, config)
+    write_json(out / GENERATION_CONFIG_FILE, generation_config(eos_token_id=eos, bos_token_id=bos))
+    files += [CONFIG_FILE, GENERATION_CONFIG_FILE]
+    modelopt = hf_quant_config(plan) if plan.fmt != BF16 else None
     if modelopt is not None:
-        write_json(out / "hf_quant_config.json", modelopt)
-        files.append("hf_quant_config.json")
+        write_json(out / HF_QUANT_CONFIG_FILE, modelopt)
+        files.append(HF_QUANT_CONFIG_FILE)
     write_json(out / PROVENANCE_FILE, provenance)
     return files + [PROVENANCE_FILE] + copy_tokenizer(ckpt.tokenizer_dir, out)
 

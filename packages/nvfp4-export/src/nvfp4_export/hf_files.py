@@ -1,4 +1,6 @@
-"""Writing a Hugging Face model directory: config.json, generation_config.json, tokenizer, weights."""
+"""Writing a Hugging Face model directory: config.json, generation_config.json, tokenizer, weights
+(the dense BF16 tensors under their HF names included: `dense_tensors`, shared by the HF and ONNX
+exports)."""
 
 from __future__ import annotations
 
@@ -6,15 +8,21 @@ import json
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
 
 SAFETENSORS_METADATA = {"format": "pt"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
+"""ModelOpt's quantization metadata (only the "modelopt" layout writes it)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -71,6 +79,34 @@ def hf_dense_names(spec: LlamaSpec) -> list[str]:
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16))
+
+
+def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Embeddings, norms, biases and lm_head in BF16 under their HF names (a fused q|k|v bias
+    split like its kernel)."""
+    out = {"model.embed_tokens.weight": _bf16(params["embed.embedding"])}
+    for i in range(spec.num_layers):
+        p, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[hf + "input_layernorm.weight"] = _bf16(params[p + "attn_norm.scale"])
+        out[hf + "post_attention_layernorm.weight"] = _bf16(params[p + "mlp_norm.scale"])
+        if spec.qkv_bias:
+            bias, start = params[p + "attn.qkv.bias"], 0
+            for name, rows in hf_modules(spec, p + "attn.qkv"):
+                out[name + ".bias"] = _bf16(bias[start : start + rows])
+                start += rows
+        if spec.o_bias:
+            out[hf + "self_attn.o_proj.bias"] = _bf16(params[p + "attn.o.bias"])
+        if spec.qk_norm:
+            out[hf + "self_attn.q_norm.weight"] = _bf16(params[p + "attn.q_norm.scale"])
+            out[hf + "self_attn.k_norm.weight"] = _bf16(params[p + "attn.k_norm.scale"])
+    out["model.norm.weight"] = _bf16(params["final_norm.scale"])
+    if not spec.tie_embeddings:
+        out["lm_head.weight"] = _bf16(params["lm_head.kernel"].T)
+    return out
 
 
 def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> dict:

@@ -4,38 +4,44 @@ from __future__ import annotations
 
 import numpy as np
 
+from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS
 from nvfp4_export.hf_files import INDEX_FILE, hf_dense_names
-from nvfp4_export.layouts import fused_exclusions
+from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES
 from nvfp4_export.reload import LoadedExport
+from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, WEIGHT_SCALE
 
-FUSED = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("mlp.gate_proj", "mlp.up_proj"),
+FUSED = tuple(parts for _, parts in FUSED_MODULES)
+"""The module groups that must share their global and input scales."""
+SHARED_SCALE_SUFFIXES = tuple(
+    suffix
+    for suffix in dict.fromkeys(
+        [n.global_scale for n in LAYOUT_NAMES.values()]
+        + [n.input_scale for n in LAYOUT_NAMES.values()]
+    )
+    if suffix is not None
 )
+"""weight_scale_2, weight_global_scale, input_scale, input_global_scale: equal across a group."""
 _MODELOPT_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
 
 
 def _expected(kind: str, layout: str, fmt: str, w4a4: bool, out: int, inp: int) -> dict:
-    """tensor suffix -> (dtype name, shape) for one module."""
-    if kind == "bf16":
-        return {"weight": ("bfloat16", (out, inp))}
-    if fmt == "mxfp4":
-        return {
-            "weight_packed": ("uint8", (out, inp // 2)),
-            "weight_scale": ("uint8", (out, inp // 32)),
-        }
-    packed = "weight" if layout == "modelopt" else "weight_packed"
-    exp = {packed: ("uint8", (out, inp // 2)), "weight_scale": ("float8_e4m3fn", (out, inp // 16))}
-    if layout == "modelopt":
-        exp["weight_scale_2"] = ("float32", ())
-        if w4a4:
-            exp["input_scale"] = ("float32", ())
-    else:
-        exp["weight_global_scale"] = ("float32", (1,))
-        if w4a4:
-            exp["input_global_scale"] = ("float32", (1,))
+    """tensor suffix -> (dtype name, shape) for one module (None: `fmt` has no `layout`)."""
+    if kind == BF16:
+        return {WEIGHT: ("bfloat16", (out, inp))}
+    f = FORMATS.get(fmt)
+    names = None if f is None else f.layouts.get(layout)
+    if names is None:
+        return None
+    exp = {
+        names.packed: ("uint8", (out, inp // 2)),
+        names.block_scales: (f.scale_dtype, (out, inp // f.block_size)),
+    }
+    if names.global_scale is not None:
+        exp[names.global_scale] = ("float32", names.scalar_shape)
+    if w4a4 and names.input_scale is not None:
+        exp[names.input_scale] = ("float32", names.scalar_shape)
     return exp
 
 
@@ -57,12 +63,7 @@ def _module_problems(loaded: LoadedExport, name: str, exp: dict, seen: set) -> l
 def _shared_scale_problems(loaded: LoadedExport, layer: int) -> list[str]:
     problems = []
     for group in FUSED:
-        for suffix in (
-            "weight_scale_2",
-            "weight_global_scale",
-            "input_scale",
-            "input_global_scale",
-        ):
+        for suffix in SHARED_SCALE_SUFFIXES:
             values = [loaded.tensors.get(f"model.layers.{layer}.{m}.{suffix}") for m in group]
             present = [np.asarray(v).reshape(-1)[0] for v in values if v is not None]
             if present and (len(present) != len(group) or len(set(present)) != 1):
@@ -75,14 +76,19 @@ def _linear_problems(loaded: LoadedExport) -> list[str]:
     excluded = set(prov.get("excluded") or [])
     problems, seen = [], set()
     for source in spec.linear_paths():
-        kind = "bf16" if prov["recipes"][source] == "bf16" else "fp4"
+        kind = BF16 if prov["recipes"][source] == BF16 else "fp4"
         for name, rows in hf_modules(spec, source):
             inp = _in_features(spec, name)
             exp = _expected(kind, loaded.layout, prov["format"], prov["w4a4"], rows, inp)
-            problems += _module_problems(loaded, name, exp, seen)
-            if (kind == "bf16") != (name in excluded):
+            if exp is None:
                 problems.append(
-                    f"{name}: {'BF16 but not' if kind == 'bf16' else 'quantized but'} listed as excluded"
+                    f"{name}: format {prov['format']!r} is not written in layout {loaded.layout!r}"
+                )
+            else:
+                problems += _module_problems(loaded, name, exp, seen)
+            if (kind == BF16) != (name in excluded):
+                problems.append(
+                    f"{name}: {'BF16 but not' if kind == BF16 else 'quantized but'} listed as excluded"
                 )
     for i in range(spec.num_layers):
         problems += _shared_scale_problems(loaded, i)
@@ -107,10 +113,10 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
         problems.append(f"config.json is not a {ARCHITECTURES[arch]} config")
     qc = cfg.get("quantization_config")
     excluded = prov.get("excluded") or []
-    if prov["format"] == "bf16":
+    if prov["format"] == BF16:
         return problems + (["a BF16 export must have no quantization_config"] if qc else [])
-    if loaded.layout == "compressed-tensors":
-        fmt = "mxfp4-pack-quantized" if prov["format"] == "mxfp4" else "nvfp4-pack-quantized"
+    if loaded.layout == COMPRESSED_TENSORS:
+        fmt = FORMATS[prov["format"]].ct_format if prov["format"] in FORMATS else None
         if not qc or qc.get("quant_method") != "compressed-tensors" or qc.get("format") != fmt:
             problems.append(f"quantization_config must be compressed-tensors format {fmt}")
         elif sorted(qc.get("ignore", [])) != sorted(excluded):
@@ -156,10 +162,12 @@ def nonfinite_problems(loaded: LoadedExport) -> list[str]:
     """Tensors holding NaN or Inf: weights, norms, block scales (E4M3 NaN, or the E8M0 NaN byte
     255 of MXFP4 scales), global and input scales. Nothing finite can be computed from them."""
     problems = []
-    mxfp4 = loaded.provenance.get("format") == "mxfp4"
+    f = FORMATS.get(loaded.provenance.get("format"))
+    nan_byte = None if f is None else f.nan_scale_byte
     for name, tensor in sorted(loaded.tensors.items()):
         if tensor.dtype == np.uint8:
-            bad = int((tensor == 255).sum()) if mxfp4 and name.endswith("weight_scale") else 0
+            is_scale = nan_byte is not None and name.endswith(WEIGHT_SCALE)
+            bad = int((tensor == nan_byte).sum()) if is_scale else 0
         else:
             bad = int((~np.isfinite(tensor.astype(np.float32))).sum())
         if bad:

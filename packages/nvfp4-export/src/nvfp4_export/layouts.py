@@ -1,9 +1,11 @@
-"""Tensor names, dtypes and quantization metadata of the two HF layouts (spec: export-formats.md).
+"""What the two HF layouts write for a set of exported linears (spec: export-formats.md).
 
-ModelOpt ("modelopt"): `<m>.weight` U8 packed, `<m>.weight_scale` F8_E4M3, `<m>.weight_scale_2` F32 []
-(DECODE global scale), `<m>.input_scale` F32 [] (W4A4). compressed-tensors ("compressed-tensors"):
-`<m>.weight_packed`, `<m>.weight_scale` (same bytes), `<m>.weight_global_scale` F32 [1] (ENCODE scale,
-the reciprocal), `<m>.input_global_scale` F32 [1] (W4A4); MXFP4 linears use "mxfp4-pack-quantized"
+ModelOpt ("modelopt") and compressed-tensors ("compressed-tensors"); the tensor names of each
+(format, layout) come from `formats.FORMATS` (which takes them from `nvfp4_format.layout_names`):
+ModelOpt `<m>.weight` U8 packed, `<m>.weight_scale` F8_E4M3, `<m>.weight_scale_2` F32 [] (DECODE
+global scale), `<m>.input_scale` F32 [] (W4A4); compressed-tensors `<m>.weight_packed`,
+`<m>.weight_scale` (same bytes), `<m>.weight_global_scale` F32 [1] (ENCODE scale, the
+reciprocal), `<m>.input_global_scale` F32 [1] (W4A4); MXFP4 linears use "mxfp4-pack-quantized"
 (`weight_packed`, `weight_scale` U8 E8M0, no global scale).
 """
 
@@ -15,9 +17,18 @@ import numpy as np
 
 import nvfp4_format
 from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import (
+    BF16,
+    COMPRESSED_TENSORS,
+    FORMATS,
+    LAYOUTS,
+    MODELOPT,
+    ExportFormat,
+    layout_names,
+)
 from nvfp4_export.linears import ExportedLinear
+from nvfp4_format.layout_names import WEIGHT, LayoutNames
 
-LAYOUTS = ("modelopt", "compressed-tensors")
 PRODUCER = {"name": "nvfp4-export", "version": "0.1.0"}
 
 
@@ -42,26 +53,30 @@ def plan_layout(layout: str, linears: list[ExportedLinear], *, weight_only: bool
     """Checks that `linears` fit `layout` and decides W4A4 vs weight-only.
 
     W4A4 needs an `input_amax` on every NVFP4 linear (MXFP4 activations are scaled per block at run
-    time, so MXFP4 W4A4 needs none).
+    time, so MXFP4 W4A4 needs none: `ExportFormat.calibrated_input`).
 
     Raises:
-        ExportError: unknown layout, NVFP4 and MXFP4 linears mixed, MXFP4 with "modelopt".
+        ExportError: unknown layout, NVFP4 and MXFP4 linears mixed, a format without that layout
+            (MXFP4 with "modelopt").
     """
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    fmts = sorted({m.fmt for m in linears} - {"bf16"})
+    fmts = sorted({m.fmt for m in linears} - {BF16})
     if len(fmts) > 1:
         raise ExportError(f"one export holds one FP4 format; this model mixes {fmts}")
-    fmt = fmts[0] if fmts else "bf16"
-    if fmt == "mxfp4" and layout == "modelopt":
+    fmt = fmts[0] if fmts else BF16
+    if fmt != BF16 and layout not in FORMATS[fmt].layouts:
+        f = FORMATS[fmt]
         raise ExportError(
-            "MXFP4-trained linears are exported in the compressed-tensors layout "
-            "('mxfp4-pack-quantized'); use --layout compressed-tensors, got --layout modelopt"
+            f"{f.label}-trained linears are exported in the {' or '.join(f.layouts)} layout "
+            f"('{f.ct_format}'); use --layout {' or --layout '.join(f.layouts)}, got --layout "
+            f"{layout}"
         )
-    quantized = [m for m in linears if m.fmt != "bf16"]
+    quantized = [m for m in linears if m.fmt != BF16]
     has_amax = bool(quantized) and all(m.input_amax is not None for m in quantized)
-    w4a4 = not weight_only and (fmt == "mxfp4" or has_amax)
-    excluded = ("lm_head", *[m.name for m in linears if m.fmt == "bf16"])
+    needs_no_amax = fmt != BF16 and not FORMATS[fmt].calibrated_input
+    w4a4 = not weight_only and (needs_no_amax or has_amax)
+    excluded = ("lm_head", *[m.name for m in linears if m.fmt == BF16])
     return LayoutPlan(layout, fmt, w4a4, excluded)
 
 
@@ -101,51 +116,41 @@ def _scalar(x: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, x, dtype=np.float32)
 
 
+def _scale(amax: np.float32, names: LayoutNames) -> np.float32:
+    """The layout's global scale of `amax`: ENCODE (6 * 448 / amax) or DECODE (its reciprocal)."""
+    if names.scales_encode:
+        return nvfp4_format.global_encode_scale(amax)
+    return nvfp4_format.global_decode_scale(amax)
+
+
 def linear_tensors(m: ExportedLinear, plan: LayoutPlan) -> dict[str, np.ndarray]:
     """The safetensors entries of one module in `plan`'s layout."""
-    if m.fmt == "bf16":
-        return {f"{m.name}.weight": m.weight}
-    if m.fmt == "mxfp4":
-        return {f"{m.name}.weight_packed": m.packed, f"{m.name}.weight_scale": m.scales}
-    if plan.layout == "modelopt":
-        out = {
-            f"{m.name}.weight": m.packed,
-            f"{m.name}.weight_scale": m.scales,
-            f"{m.name}.weight_scale_2": _scalar(m.global_decode_scale, ()),
-        }
-        if plan.w4a4:
-            out[f"{m.name}.input_scale"] = _scalar(
-                nvfp4_format.global_decode_scale(np.float32(m.input_amax)), ()
-            )
-        return out
+    if m.fmt == BF16:
+        return {LayoutNames.tensor(m.name, WEIGHT): m.weight}
+    names = layout_names(m.fmt, plan.layout)
     out = {
-        f"{m.name}.weight_packed": m.packed,
-        f"{m.name}.weight_scale": m.scales,
-        f"{m.name}.weight_global_scale": _scalar(m.global_encode_scale, (1,)),
+        names.tensor(m.name, names.packed): m.packed,
+        names.tensor(m.name, names.block_scales): m.scales,
     }
-    if plan.w4a4:
-        out[f"{m.name}.input_global_scale"] = _scalar(
-            nvfp4_format.global_encode_scale(np.float32(m.input_amax)), (1,)
-        )
+    if names.global_scale is not None:
+        value = m.global_encode_scale if names.scales_encode else m.global_decode_scale
+        out[names.tensor(m.name, names.global_scale)] = _scalar(value, names.scalar_shape)
+    if plan.w4a4 and names.input_scale is not None:
+        value = _scale(np.float32(m.input_amax), names)
+        out[names.tensor(m.name, names.input_scale)] = _scalar(value, names.scalar_shape)
     return out
 
 
 def _ct_scheme(plan: LayoutPlan) -> dict:
-    if plan.fmt == "mxfp4":
-        quant = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group"}
-        quant |= {"group_size": 32, "observer": "minmax"}
-        acts = {**quant, "dynamic": True} if plan.w4a4 else None
-        weights, fmt = {**quant, "dynamic": False}, "mxfp4-pack-quantized"
-    else:
-        quant = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group"}
-        quant |= {"group_size": 16, "observer": "minmax"}
-        acts = {**quant, "dynamic": "local"} if plan.w4a4 else None
-        weights, fmt = {**quant, "dynamic": False}, "nvfp4-pack-quantized"
-    group = {"targets": ["Linear"], "format": fmt, "weights": weights}
+    f = FORMATS[plan.fmt]
+    quant = dict(f.ct_args)
+    acts = {**quant, "dynamic": f.ct_input_dynamic} if plan.w4a4 else None
+    weights = {**quant, "dynamic": False}
+    group = {"targets": ["Linear"], "format": f.ct_format, "weights": weights}
     group |= {"input_activations": acts, "output_activations": None}
     return {
         "quant_method": "compressed-tensors",
-        "format": fmt,
+        "format": f.ct_format,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": list(plan.excluded),
@@ -153,34 +158,44 @@ def _ct_scheme(plan: LayoutPlan) -> dict:
     }
 
 
-def _modelopt_algo(plan: LayoutPlan) -> str:
-    return "NVFP4" if plan.w4a4 else "W4A16_NVFP4"
+def _modelopt_algo(f: ExportFormat, plan: LayoutPlan) -> str:
+    w4a4, weight_only = f.modelopt_algos
+    return w4a4 if plan.w4a4 else weight_only
 
 
 def hf_quant_config(plan: LayoutPlan) -> dict | None:
     """The ModelOpt `hf_quant_config.json` (None for compressed-tensors)."""
-    if plan.layout != "modelopt":
+    if plan.layout != MODELOPT:
         return None
-    quantization = {"quant_algo": _modelopt_algo(plan), "kv_cache_quant_algo": None}
-    quantization |= {"group_size": 16, "exclude_modules": modelopt_exclusions(plan)}
+    f = FORMATS[plan.fmt]
+    quantization = {"quant_algo": _modelopt_algo(f, plan), "kv_cache_quant_algo": None}
+    quantization |= {"group_size": f.block_size, "exclude_modules": modelopt_exclusions(plan)}
     return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
-def quantization_config(plan: LayoutPlan) -> dict:
-    """The `quantization_config` entry of config.json for `plan`."""
-    if plan.layout == "compressed-tensors":
-        return _ct_scheme(plan)
-    quant = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+def _modelopt_config(plan: LayoutPlan) -> dict:
+    f = FORMATS[plan.fmt]
+    quant = {"num_bits": f.ct_args["num_bits"], "type": f.ct_args["type"]}
+    quant |= {"group_size": f.block_size, "dynamic": False}
     group = {"targets": ["Linear"], "weights": quant, "input_activations": None}
     if plan.w4a4:
         group["input_activations"] = dict(quant)
     return {
         "quant_method": "modelopt",
-        "quant_algo": _modelopt_algo(plan),
+        "quant_algo": _modelopt_algo(f, plan),
         "kv_cache_quant_algo": None,
-        "group_size": 16,
+        "group_size": f.block_size,
         "exclude_modules": modelopt_exclusions(plan),
         "config_groups": {"group_0": group},
         "ignore": modelopt_exclusions(plan),
         "producer": dict(PRODUCER),
     }
+
+
+QUANTIZATION_CONFIGS = {MODELOPT: _modelopt_config, COMPRESSED_TENSORS: _ct_scheme}
+"""Layout -> the writer of its config.json `quantization_config`."""
+
+
+def quantization_config(plan: LayoutPlan) -> dict:
+    """The `quantization_config` entry of config.json for `plan` (a quantized format)."""
+    return QUANTIZATION_CONFIGS[plan.layout](plan)

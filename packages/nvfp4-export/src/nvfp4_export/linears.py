@@ -17,11 +17,9 @@ import numpy as np
 
 import nvfp4_format
 from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import BF16, FORMATS
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.policy import WeightFormat, weight_format
-
-MXFP4_SCALE_RULE = "ocp"
-"""The rule training's MXFP4 recipe uses (X = 2^(floor(log2 amax_block) - 2))."""
 
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
@@ -33,7 +31,7 @@ class ExportedLinear:
     Attributes:
         name: HF module name, e.g. `model.layers.0.self_attn.q_proj`.
         source: the training linear it comes from, e.g. `layers.0.attn.qkv`.
-        fmt: "nvfp4", "mxfp4" or "bf16".
+        fmt: a `formats.FORMATS` name ("nvfp4", "mxfp4") or "bf16".
         weight: bfloat16 [out, in] (fmt "bf16" only).
         packed: uint8 [out, in/2] E2M1 codes, even `in` index in the low nibble (FP4 formats).
         scales: NVFP4: float8_e4m3fn [out, in/16] block decode scales; MXFP4: uint8 [out, in/32]
@@ -105,12 +103,7 @@ def _quantized_parts(
     w_t: np.ndarray, wf: WeightFormat, source: str
 ) -> tuple[np.ndarray, np.ndarray, np.float32 | None]:
     try:
-        if wf.fmt == "nvfp4":
-            amax = np.float32(np.max(np.abs(w_t))) if w_t.size else np.float32(0)
-            q = nvfp4_format.quantize(w_t, wf.block_shape, global_amax=amax)
-            return q.packed, q.block_scales, amax
-        q = nvfp4_format.quantize_mxfp4(w_t, MXFP4_SCALE_RULE)
-        return q.packed, q.scales, None
+        return FORMATS[wf.fmt].quantize(w_t, wf.block_shape)
     except ValueError as err:
         raise ExportError(
             f"linear {source!r} [out, in]={w_t.shape} cannot be quantized: {err}"
@@ -132,9 +125,9 @@ def export_linear(
     wf = weight_format(recipe, source)
     w_t = compute_weight_t(kernel_IxO, spec.dtype)
     parts = _split_rows(hf_modules(spec, source))
-    if wf.fmt == "bf16":
+    if wf.fmt == BF16:
         w_bf16 = w_t.astype(ml_dtypes.bfloat16)
-        return [ExportedLinear(n, source, "bf16", weight=w_bf16[rows]) for n, rows in parts]
+        return [ExportedLinear(n, source, BF16, weight=w_bf16[rows]) for n, rows in parts]
     packed, scales, weight_amax = _quantized_parts(w_t, wf, source)
     amax = None if input_amax is None else float(input_amax)
     return [
@@ -153,10 +146,6 @@ def export_linear(
 
 def dequantize_linear(m: ExportedLinear) -> np.ndarray:
     """float32 [out, in] values of an exported module (what a server computes with)."""
-    if m.fmt == "bf16":
+    if m.fmt == BF16:
         return m.weight.astype(np.float32)
-    if m.fmt == "nvfp4":
-        a = nvfp4_format.NVFP4Array(m.packed, m.scales, m.global_decode_scale, m.shape)
-        return nvfp4_format.dequantize(a)
-    a = nvfp4_format.MXFP4Array(m.packed, m.scales, m.shape, MXFP4_SCALE_RULE)
-    return nvfp4_format.dequantize_mxfp4(a)
+    return FORMATS[m.fmt].dequantize(m)

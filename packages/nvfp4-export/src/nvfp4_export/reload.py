@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from nvfp4_export.checkpoint import Checkpoint, read_json
 from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
-from nvfp4_export.hf_files import INDEX_FILE, SINGLE_FILE
+from nvfp4_export.hf_files import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
 from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
 from nvfp4_export.output_dir import MANIFEST
 from nvfp4_export.policy import weight_format
+from nvfp4_format.inspection import QuantizedModule, detect_quantized_modules
+from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
+from nvfp4_format.safetensors_file import DTYPE_TAGS, TensorInfo
 
 PROVENANCE_FILE = MANIFEST
+_TAGS = {dtype: tag for tag, dtype in DTYPE_TAGS.items() if tag != "F4"}
+"""NumPy dtype -> safetensors dtype tag (uint8 is "U8": packed codes are read back as bytes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,20 @@ class LoadedExport:
     def layout(self) -> str:
         return self.provenance["layout"]
 
+    @functools.cached_property
+    def quantized_modules(self) -> Mapping[str, QuantizedModule]:
+        """Module name -> its FP4 tensors, as `nvfp4_format.inspection` detects them."""
+        return {q.module: q for q in detect_quantized_modules(tensor_infos(self.tensors))}
+
+
+def tensor_infos(tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
+    """Header entries (`TensorInfo`, no file offsets) of in-memory tensors, for the detection."""
+    infos = {}
+    for name, array in tensors.items():
+        tag = _TAGS.get(np.dtype(array.dtype), np.dtype(array.dtype).name)
+        infos[name] = TensorInfo(name, tag, tuple(array.shape), 0, int(array.nbytes))
+    return infos
+
 
 def _weight_files(path: Path) -> list[str]:
     if (path / INDEX_FILE).is_file():
@@ -69,7 +92,7 @@ def load_export(path: str | Path) -> LoadedExport:
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"export directory {str(path)!r} does not exist")
-    for name in ("config.json", PROVENANCE_FILE):
+    for name in (CONFIG_FILE, PROVENANCE_FILE):
         if not (path / name).is_file():
             raise ExportError(f"export directory {str(path)!r} lacks {name}")
     tensors: dict[str, np.ndarray] = {}
@@ -80,10 +103,10 @@ def load_export(path: str | Path) -> LoadedExport:
         except (OSError, ValueError) as err:
             raise ExportError(f"cannot read {str(path / file)!r}: {err}") from err
         tensors.update(part)
-    hf_quant = path / "hf_quant_config.json"
+    hf_quant = path / HF_QUANT_CONFIG_FILE
     return LoadedExport(
         path,
-        read_json(path / "config.json"),
+        read_json(path / CONFIG_FILE),
         read_json(path / PROVENANCE_FILE),
         read_json(hf_quant) if hf_quant.is_file() else None,
         tensors,
@@ -92,24 +115,34 @@ def load_export(path: str | Path) -> LoadedExport:
 
 
 def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> ExportedLinear:
-    """Rebuilds one `ExportedLinear` from the layout's tensors."""
+    """Rebuilds one `ExportedLinear` from the layout's tensors (found by `quantized_modules`).
+
+    Raises:
+        ExportError: the module's weight, block scales or global scale is missing.
+    """
     t = loaded.tensors
-    if f"{name}.weight_packed" in t:
-        packed, scales = t[f"{name}.weight_packed"], t[f"{name}.weight_scale"]
-        if f"{name}.weight_global_scale" not in t:
-            return ExportedLinear(name, source, "mxfp4", packed=packed, scales=scales)
-        enc = np.float32(t[f"{name}.weight_global_scale"].reshape(()))
-        amax = _amax_from_encode(enc)
-        return ExportedLinear(name, source, "nvfp4", packed=packed, scales=scales, weight_amax=amax)
-    if f"{name}.weight_scale_2" in t:
-        dec = np.float32(t[f"{name}.weight_scale_2"].reshape(()))
-        return ExportedLinear(
-            name, source, "nvfp4", packed=t[f"{name}.weight"], scales=t[f"{name}.weight_scale"],
-            weight_amax=_amax_from_encode(np.float32(1.0) / dec), stored_decode_scale=dec,
-        )  # fmt: skip
-    if f"{name}.weight" not in t:
-        raise ExportError(f"export lacks the weight of {name!r}")
-    return ExportedLinear(name, source, "bf16", weight=t[f"{name}.weight"])
+    q = loaded.quantized_modules.get(name)
+    if q is None:
+        weight = LayoutNames.tensor(name, WEIGHT)
+        if weight not in t:
+            raise ExportError(f"export lacks the weight of {name!r}")
+        return ExportedLinear(name, source, BF16, weight=t[weight])
+    names, fmt = LAYOUT_NAMES[q.layout], FORMAT_OF_LAYOUT[q.layout]
+    missing = [s for s, n in ((names.block_scales, q.block_scales),
+                              (names.global_scale, q.global_scale)) if s and n is None]  # fmt: skip
+    if missing:
+        raise ExportError(f"export lacks {names.tensor(name, missing[0])!r}")
+    packed, scales = t[q.packed], t[q.block_scales]
+    if q.global_scale is None:
+        return ExportedLinear(name, source, fmt, packed=packed, scales=scales)
+    stored = np.float32(t[q.global_scale].reshape(()))
+    if names.scales_encode:
+        amax = _amax_from_encode(stored)
+        return ExportedLinear(name, source, fmt, packed=packed, scales=scales, weight_amax=amax)
+    return ExportedLinear(
+        name, source, fmt, packed=packed, scales=scales,
+        weight_amax=_amax_from_encode(np.float32(1.0) / stored), stored_decode_scale=stored,
+    )  # fmt: skip
 
 
 def _amax_from_encode(s_enc: np.float32) -> np.float32:
@@ -233,3 +266,47 @@ def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
         for n, value in _hf_dense_layer(spec, i, f32).items():
             dense[f"layers.{i}.{n}"] = value
     return forward_weights(spec, linears, recipes, dense)
+
+
+def _bf16_round(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def bf16_dense(w: ForwardWeights) -> ForwardWeights:
+    """`w` with norms, biases, embedding and lm_head rounded to BF16, as the exports store them.
+
+    The trained model's forward weights on the export's dense tensors: what an export's reload
+    (or its ONNX file) computes with, next to its quantized linears.
+
+    Example:
+        >>> same = forward(bf16_dense(weights_from_checkpoint(ckpt, spec, recipes, {})), tokens)  # doctest: +SKIP
+    """
+    layers = tuple(
+        {k: (v if isinstance(v, ForwardLinear) else _bf16_round(v)) for k, v in layer.items()}
+        for layer in w.layers
+    )
+    return dataclasses.replace(
+        w, embed_VxD=_bf16_round(w.embed_VxD), lm_head_VxD=_bf16_round(w.lm_head_VxD),
+        final_norm=_bf16_round(w.final_norm), layers=layers,
+    )  # fmt: skip
+
+
+def bf16_weights(w: ForwardWeights) -> ForwardWeights:
+    """`w` with every linear's weight rounded to BF16: what compressed-tensors' CPU dequantization
+    yields (transformers computes with these).
+
+    Example:
+        >>> hf_like = bf16_weights(weights_from_export(load_export("runs/tiny-ct")))  # doctest: +SKIP
+    """
+    layers = tuple(
+        {
+            k: (
+                dataclasses.replace(v, w_OxI=_bf16_round(v.w_OxI))
+                if isinstance(v, ForwardLinear)
+                else v
+            )
+            for k, v in layer.items()
+        }
+        for layer in w.layers
+    )
+    return dataclasses.replace(w, layers=layers)

@@ -5,20 +5,28 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
 from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logits
 from nvfp4_export.errors import ExportError
-from nvfp4_export.forward import ForwardLinear, ForwardWeights, forward
-from nvfp4_export.hf_export import dense_tensors
+from nvfp4_export.formats import (
+    BF16,
+    COMPRESSED_TENSORS,
+    FORMATS,
+    calibrated_input,
+    layout_names,
+)
+from nvfp4_export.forward import ForwardWeights, forward
+from nvfp4_export.hf_files import dense_tensors
 from nvfp4_export.invariants import layout_problems, nonfinite_problems
 from nvfp4_export.linears import export_linear
 from nvfp4_export.model_spec import spec_from_config
 from nvfp4_export.policy import linear_recipes
 from nvfp4_export.reload import (
     LoadedExport,
+    bf16_dense,
+    bf16_weights,
     linear_from_tensors,
     load_export,
     weights_from_checkpoint,
@@ -85,31 +93,19 @@ def _bitexact_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
                     a is not None and a.tobytes() != np.asarray(b).tobytes()
                 ):
                     problems.append(f"{m.name}.{field} differs from the checkpoint's quantization")
-            if m.fmt == "nvfp4" and not _same_global_scale(loaded, m):
+            has_global = m.fmt != BF16 and FORMATS[m.fmt].global_scale
+            if has_global and not _same_global_scale(loaded, m):
                 problems.append(f"{m.name}: global scale differs from the checkpoint's")
     return problems
 
 
 def _same_global_scale(loaded: LoadedExport, fresh) -> bool:
     """The stored global scale equals the one re-derived from the checkpoint (bit for bit)."""
-    if loaded.layout == "modelopt":
-        stored = loaded.tensors[f"{fresh.name}.weight_scale_2"]
-        return stored.reshape(()) == fresh.global_decode_scale
-    stored = loaded.tensors[f"{fresh.name}.weight_global_scale"]
-    return stored.reshape(()) == fresh.global_encode_scale
-
-
-def _bf16_weights(w: ForwardWeights) -> ForwardWeights:
-    """The weights compressed-tensors' CPU dequantization yields (rounded to BF16)."""
-    rnd = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
-    layers = tuple(
-        {
-            k: (dataclasses.replace(v, w_OxI=rnd(v.w_OxI)) if isinstance(v, ForwardLinear) else v)
-            for k, v in layer.items()
-        }
-        for layer in w.layers
-    )
-    return dataclasses.replace(w, layers=layers)
+    names = layout_names(fresh.fmt, loaded.layout)
+    stored = loaded.tensors[names.tensor(fresh.name, names.global_scale)]
+    if names.scales_encode:
+        return stored.reshape(()) == fresh.global_encode_scale
+    return stored.reshape(()) == fresh.global_decode_scale
 
 
 def _reference(ckpt: Checkpoint, weights: ForwardWeights, n: int, length: int):
@@ -121,7 +117,7 @@ def _reference(ckpt: Checkpoint, weights: ForwardWeights, n: int, length: int):
 
 
 def _hf_comparisons(loaded, tokens, ref, ref_name, skipped) -> list[Comparison]:
-    if loaded.layout != "compressed-tensors":
+    if loaded.layout != COMPRESSED_TENSORS:
         skipped.append("transformers: the ModelOpt layout does not load in transformers on CPU")
         return []
     absent = missing("torch", "transformers", "compressed_tensors")
@@ -130,7 +126,7 @@ def _hf_comparisons(loaded, tokens, ref, ref_name, skipped) -> list[Comparison]:
         return []
     hf = transformers_logits(loaded.path, tokens)
     expected = forward(
-        _bf16_weights(weights_from_export(loaded)),
+        bf16_weights(weights_from_export(loaded)),
         tokens,
         activations="none",
         compute_dtype="float32",
@@ -158,7 +154,7 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
             compare("NumPy emulation of the trained model", ref_name, emulated, ref, "trained")
         )
     reload = forward(weights, tokens)
-    same_dense = forward(_bf16_dense(trained), tokens)
+    same_dense = forward(bf16_dense(trained), tokens)
     out.append(
         compare(
             "export reload, activations as trained",
@@ -169,7 +165,7 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
         )
     )
     out.append(compare("export reload, activations as trained", ref_name, reload, ref, "info"))
-    if loaded.provenance.get("w4a4") and loaded.provenance.get("format") == "nvfp4":
+    if loaded.provenance.get("w4a4") and calibrated_input(loaded.provenance.get("format")):
         static = forward(weights, tokens, activations="static")
         out.append(
             compare(
@@ -232,26 +228,13 @@ def verify_onnx(path: Path, against: Path | None, n: int) -> VerifyReport:
     trained = weights_from_checkpoint(ckpt, spec, recipes, {})
     tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))
     got = onnxruntime_logits(path, tokens)
-    bf16_norms = _bf16_dense(trained)
+    bf16_norms = bf16_dense(trained)
     expected = forward(bf16_norms, tokens, activations="none", compute_dtype="float32")
     comparisons = (
         compare("onnxruntime (CPU)", "NumPy forward, same weights (fp32)", got, expected, "loader"),
         compare("onnxruntime (CPU)", ref_name, got, ref, "info"),
     )
     return VerifyReport(path, (), comparisons, ())
-
-
-def _bf16_dense(w: ForwardWeights) -> ForwardWeights:
-    """`w` with norms, biases, embedding and lm_head rounded to BF16, as the exports store them."""
-    rnd = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
-    layers = tuple(
-        {k: (v if isinstance(v, ForwardLinear) else rnd(v)) for k, v in layer.items()}
-        for layer in w.layers
-    )
-    return dataclasses.replace(
-        w, embed_VxD=rnd(w.embed_VxD), lm_head_VxD=rnd(w.lm_head_VxD), final_norm=rnd(w.final_norm),
-        layers=layers,
-    )  # fmt: skip
 
 
 def verify(

@@ -37,11 +37,6 @@ def namespace(*arrays: Any) -> ModuleType:
     return np
 
 
-def asarray(xp: ModuleType, x: Any, dtype: Any = None) -> Any:
-    """`xp.asarray` that leaves JAX arrays (and tracers) in JAX."""
-    return xp.asarray(x, dtype=dtype)
-
-
 def check_float(name: str, x: Any) -> None:
     """Raise TypeError unless `x` is an array with a floating dtype (f16, bf16, f32, f64)."""
     if not (hasattr(x, "dtype") and hasattr(x, "shape")):

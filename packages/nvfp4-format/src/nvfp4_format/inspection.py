@@ -1,6 +1,7 @@
 """Finds FP4-quantized linears in safetensors checkpoints and measures them.
 
-Three on-disk layouts are recognised (names and dtypes from ``docs/spec/export-formats.md``):
+Three on-disk layouts are recognised (names and dtypes from ``docs/spec/export-formats.md``; the
+names are spelled once, in `layout_names`):
 
 | layout | tensors of module ``<m>`` |
 |---|---|
@@ -28,6 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nvfp4_format.layout_names import (
+    CT_MXFP4,
+    CT_NVFP4,
+    LAYOUT_CT_MXFP4,
+    LAYOUT_CT_NVFP4,
+    LAYOUT_MODELOPT_NVFP4,
+    LAYOUT_NAMES,
+    MODELOPT_NVFP4,
+)
 from nvfp4_format.safetensors_file import TensorInfo
 
 __all__ = [
@@ -43,10 +53,6 @@ __all__ = [
     "detect_quantized_modules",
     "inspect_module",
 ]
-
-LAYOUT_MODELOPT_NVFP4 = "modelopt-nvfp4"
-LAYOUT_CT_NVFP4 = "compressed-tensors-nvfp4"
-LAYOUT_CT_MXFP4 = "compressed-tensors-mxfp4"
 
 _PACKED_DTYPES = ("U8", "F4")
 _E8M0_DTYPES = ("U8", "F8_E8M0")
@@ -161,26 +167,30 @@ def _present(tensors: Mapping[str, TensorInfo], name: str) -> str | None:
 
 
 def _modelopt_module(m: str, tensors: Mapping[str, TensorInfo]) -> QuantizedModule | None:
-    scale, scale_2 = f"{m}.weight_scale", f"{m}.weight_scale_2"
+    names = MODELOPT_NVFP4
+    scale, scale_2 = names.tensor(m, names.block_scales), names.tensor(m, names.global_scale)
     if scale not in tensors and scale_2 not in tensors:
         return None
     return QuantizedModule(
         m,
-        LAYOUT_MODELOPT_NVFP4,
-        f"{m}.weight",
+        names.layout,
+        names.tensor(m, names.packed),
         _present(tensors, scale),
         _present(tensors, scale_2),
-        _present(tensors, f"{m}.input_scale"),
+        _present(tensors, names.tensor(m, names.input_scale)),
     )
 
 
 def _compressed_tensors_module(m: str, tensors: Mapping[str, TensorInfo]) -> QuantizedModule:
-    scale = _present(tensors, f"{m}.weight_scale")
-    global_scale = _present(tensors, f"{m}.weight_global_scale")
-    input_scale = _present(tensors, f"{m}.input_global_scale")
+    names = CT_NVFP4
+    scale = _present(tensors, names.tensor(m, names.block_scales))
+    global_scale = _present(tensors, names.tensor(m, names.global_scale))
+    input_scale = _present(tensors, names.tensor(m, names.input_scale))
     is_mx = global_scale is None and scale is not None and tensors[scale].dtype in _E8M0_DTYPES
-    layout = LAYOUT_CT_MXFP4 if is_mx else LAYOUT_CT_NVFP4
-    return QuantizedModule(m, layout, f"{m}.weight_packed", scale, global_scale, input_scale)
+    layout = CT_MXFP4.layout if is_mx else names.layout
+    return QuantizedModule(
+        m, layout, names.tensor(m, names.packed), scale, global_scale, input_scale
+    )
 
 
 def detect_quantized_modules(
@@ -200,14 +210,15 @@ def detect_quantized_modules(
     Returns:
         The modules found, sorted by module name.
     """
+    ct_packed, modelopt_packed = "." + CT_NVFP4.packed, "." + MODELOPT_NVFP4.packed
     found = []
     for name, info in tensors.items():
         if info.dtype not in _PACKED_DTYPES:
             continue
-        if name.endswith(".weight_packed"):
-            found.append(_compressed_tensors_module(name.removesuffix(".weight_packed"), tensors))
-        elif name.endswith(".weight"):
-            module = _modelopt_module(name.removesuffix(".weight"), tensors)
+        if name.endswith(ct_packed):
+            found.append(_compressed_tensors_module(name.removesuffix(ct_packed), tensors))
+        elif name.endswith(modelopt_packed):
+            module = _modelopt_module(name.removesuffix(modelopt_packed), tensors)
             if module is not None:
                 found.append(module)
     return tuple(sorted(found, key=lambda m: m.module))
@@ -410,8 +421,9 @@ def inspect_module(
     shape = _logical_shape(packed)
     problems: list[str] = []
     block_stats = None
+    names = LAYOUT_NAMES[q.layout]
     if q.block_scales is None:
-        problems.append(f"missing block scales ({q.module}.weight_scale)")
+        problems.append(f"missing block scales ({names.tensor(q.module, names.block_scales)})")
     else:
         scale_info = tensors[q.block_scales]
         problems += _scale_problems(q, shape, scale_info)
@@ -430,16 +442,14 @@ def inspect_module(
                     f"{block_stats.negative_count} negative block scales in {q.block_scales}"
                 )
     global_decode = None
+    encode = names.scales_encode
     if q.global_scale is not None:
-        encode = q.layout != LAYOUT_MODELOPT_NVFP4
         global_decode, found = _scalar_scale(q.global_scale, tensors[q.global_scale], read, encode)
         problems += found
-    elif q.layout != LAYOUT_CT_MXFP4:
-        suffix = "weight_scale_2" if q.layout == LAYOUT_MODELOPT_NVFP4 else "weight_global_scale"
-        problems.append(f"missing global scale ({q.module}.{suffix})")
+    elif names.global_scale is not None:
+        problems.append(f"missing global scale ({names.tensor(q.module, names.global_scale)})")
     input_decode = None
     if q.input_scale is not None:
-        encode = q.layout != LAYOUT_MODELOPT_NVFP4
         input_decode, found = _scalar_scale(q.input_scale, tensors[q.input_scale], read, encode)
         problems += found
     codes = code_statistics_of_counts(byte_counts(chunks(q.packed)))

@@ -1,0 +1,46 @@
+"""Export's recipe table (`nvfp4_export.policy.RECIPE_WEIGHT_FORMATS`) against the training recipes.
+
+nvfp4-export never imports nvfp4-ops (it reads recipe names from checkpoints), so its table of
+what each recipe preset does to the forward weight is a copy; this test is what keeps the two in
+step: every preset of `nvfp4_ops.RECIPES` is either listed with the same weight format, block
+shape and input quantization, or refused by name (FP8), and export lists no recipe ops lacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import nvfp4_ops
+from nvfp4_export import ExportError
+from nvfp4_export.formats import BF16, FORMATS
+from nvfp4_export.policy import RECIPE_WEIGHT_FORMATS, weight_format
+
+NOT_EXPORTED = {"fp8"}
+"""Training presets with no FP4 export (refused with a message naming them)."""
+
+
+def test_export_lists_exactly_the_training_presets_it_can_export():
+    assert set(RECIPE_WEIGHT_FORMATS) == set(nvfp4_ops.RECIPES) - NOT_EXPORTED
+
+
+@pytest.mark.parametrize("name", sorted(set(nvfp4_ops.RECIPES) - NOT_EXPORTED))
+def test_each_recipe_weight_format_matches_the_training_recipe(name):
+    recipe, wf = nvfp4_ops.RECIPES[name], RECIPE_WEIGHT_FORMATS[name]
+    weight = recipe.fprop_weight
+    assert wf.fmt == weight.fmt, name
+    assert wf.fmt == BF16 or wf.fmt in FORMATS, name
+    if wf.fmt == "nvfp4":  # the block shape decides the codes (MXFP4 has one: 1x32)
+        assert wf.block_shape == weight.block_shape, name
+    else:
+        assert wf.block_shape is None, name
+    if wf.fmt != BF16:
+        assert FORMATS[wf.fmt].block_size == weight.block_size, name
+    assert wf.quantized_input == recipe.fprop_input.quantized, name
+    assert not recipe.bf16_fprop, name  # presets quantize the forward GEMM as listed
+
+
+@pytest.mark.parametrize("name", sorted(NOT_EXPORTED))
+def test_a_recipe_without_an_fp4_export_is_refused_by_name(name):
+    assert name in nvfp4_ops.RECIPES
+    with pytest.raises(ExportError, match=name):
+        weight_format(name, "layers.1.attn.qkv")
