@@ -11,6 +11,7 @@ import numpy as np
 
 from nvfp4_ops.backends import Call, select_backend
 from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
+from nvfp4_ops.gemm_table import require_key
 from nvfp4_ops.qdot import GemmConfig, quantized_dot
 from nvfp4_ops.recipe import Recipe, get_recipe
 
@@ -24,12 +25,8 @@ def _as_recipe(recipe: Recipe | str) -> Recipe:
 
 
 def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
+    require_key(key, recipe)
     if key is None:
-        if recipe.needs_key:
-            raise ValueError(
-                f"recipe {recipe.name!r} uses stochastic rounding and needs a PRNG key, got key=None "
-                "(pass key=jax.random.key(...); there is no silent fallback to RNE)"
-            )
         return None
     if not isinstance(key, jax.Array):
         raise TypeError(f"key must be a JAX PRNG key, got {type(key).__name__}")

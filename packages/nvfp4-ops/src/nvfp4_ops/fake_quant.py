@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_ops.canonical import pad_to
+from nvfp4_ops.gemm_table import require_key
 from nvfp4_ops.quantizers import dequantize_operand, quantize_operand
 from nvfp4_ops.recipe import TensorQuant
 
@@ -42,8 +43,7 @@ def fake_quantize(
     x = jnp.asarray(x)
     if x.ndim < (2 if tq.is_2d else 1):
         raise ValueError(f"x needs at least {2 if tq.is_2d else 1} dimensions, got shape {x.shape}")
-    if tq.rounding == "stochastic" and key is None:
-        raise ValueError(f"rounding='stochastic' for {tq} needs a PRNG key, got key=None")
+    require_key(key, tq)
     return _fake_quantize(x, tq, key)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from nvfp4_ops.formats import FORMAT_OPS
 from nvfp4_ops.quantizers import dequantize_operand
 from nvfp4_ops.recipe import TensorQuant
 
@@ -35,36 +36,10 @@ def emulated_gemm(
         )
 
 
-def _fp4_values(packed: jax.Array) -> jax.Array:
-    """Packed E2M1 bytes [..., C/2] -> float4_e2m1fn [..., C] (a bitcast, low nibble first)."""
-    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
-    return f4.reshape(*packed.shape[:-1], -1)
-
-
-def _transpose_tiles(scales: jax.Array, tile: int) -> jax.Array:
-    """Tile scales [B, Q, C/t] repeated over rows -> [B, C, Q/t] for the transposed operand."""
-    per_tile = scales[:, ::tile, :]  # [B, Q/t, C/t]
-    return jnp.repeat(jnp.swapaxes(per_tile, -1, -2), tile, axis=1)
-
-
 def _block_scaled(q: Any, t: TensorQuant, transposed: bool):
     """(element array, block scales or None, global decode scale) in the layout [B, P, C]."""
-    q = jax.lax.optimization_barrier(q)  # materialise codes and scales (see quantizers.py)
-    if t.fmt == "nvfp4":
-        vals, scales, g = _fp4_values(q.packed), q.block_scales, q.global_scale
-        if transposed:
-            vals, scales = jnp.swapaxes(vals, -1, -2), _transpose_tiles(scales, 16)
-        return vals, scales, g
-    if t.fmt == "mxfp4":
-        if transposed:
-            raise ValueError("MXFP4 operands are 1D-blocked and cannot be reused transposed")
-        scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
-        return _fp4_values(q.packed), scales, jnp.float32(1.0)
-    if t.fmt in ("fp8_e4m3", "fp8_e5m2"):
-        vals = jnp.swapaxes(q.data, -1, -2) if transposed else q.data
-        return vals, None, q.decode_scale
-    vals = jnp.swapaxes(q, -1, -2) if transposed else q
-    return vals, None, jnp.float32(1.0)
+    q = jax.lax.optimization_barrier(q)  # materialise codes and scales (see formats.materialised)
+    return FORMAT_OPS[t.fmt].gemm_operand(q, transposed)
 
 
 def xla_gemm(

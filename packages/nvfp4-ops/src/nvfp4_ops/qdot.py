@@ -12,8 +12,10 @@ quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x
 With `recipe.bf16_fprop` the Fprop GEMM is y = x . w on the unquantized operands (FP32
 accumulation) and everything saved for the backward pass is computed exactly as without the flag.
 
+Which tensor is quantized how, in which orientation, with which key, and which quantization is
+reused, is read from `nvfp4_ops.gemm_table` (the same table `nvfp4_ops.telemetry` reads).
 Stochastic-rounding keys: `jax.random.split(key, 6)` gives, in order, the keys for
-[fprop x, fprop w, dgrad dy, dgrad w (re-quantized 1D weights), wgrad x, wgrad dy].
+[fprop x, fprop w, dgrad dy, dgrad w (re-quantized 1D weights), wgrad x, wgrad dy] (`KEY_SLOTS`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,33 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from nvfp4_ops.gemm import GEMMS
-from nvfp4_ops.hadamard import hadamard_transform
+from nvfp4_ops.gemm_table import (
+    KEY_SLOTS,
+    OperandQuant,
+    gemm_quantized,
+    operand_quants,
+    operand_view,
+    oriented,
+    quantizations,
+    rotated,
+    split_keys,
+    wgrad_rotation,
+)
 from nvfp4_ops.quantizers import quantize_operand
 from nvfp4_ops.recipe import Recipe, TensorQuant
 
-KEY_SLOTS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+__all__ = [
+    "KEY_SLOTS",
+    "RESIDUAL_NAME",
+    "GemmConfig",
+    "computed_once",
+    "dgrad_weight_quant",
+    "named_residuals",
+    "quantized_dot",
+    "split_keys",
+    "wgrad_rotation",
+]
+
 RESIDUAL_NAME = "nvfp4_residual"
 """`jax.ad_checkpoint.checkpoint_name` of every array saved for the backward pass (the quantized
 Wgrad input and Dgrad weight: packed codes, block scales, global scale), so that a remat policy
@@ -55,19 +79,10 @@ class GemmConfig:
         return np.dtype(jnp.result_type(self.lhs_dtype, self.rhs_dtype))
 
 
-def split_keys(key: jax.Array | None) -> dict[str, jax.Array | None]:
-    """The per-GEMM stochastic-rounding keys (see the module docstring for the order)."""
-    if key is None:
-        return dict.fromkeys(KEY_SLOTS)
-    return dict(zip(KEY_SLOTS, jax.random.split(key, len(KEY_SLOTS)), strict=True))
-
-
 def dgrad_weight_quant(recipe: Recipe) -> tuple[TensorQuant, bool]:
     """(settings of W in Dgrad, whether the Fprop quantization is reused transposed)."""
-    w = recipe.fprop_weight
-    if w.is_2d or w.block_shape is None:
-        return w, True
-    return w, False
+    w = operand_quants(recipe)["dgrad_w"]
+    return w.tq, w.reuses is not None
 
 
 def computed_once(x: jax.Array) -> jax.Array:
@@ -92,29 +107,16 @@ def computed_once(x: jax.Array) -> jax.Array:
     return jax.lax.while_loop(lambda c: c[1] < trips, body, (x, jnp.int32(0)))[0]
 
 
-def wgrad_rotation(x: jax.Array, recipe: Recipe) -> jax.Array:
-    """A Wgrad operand [..., tokens] rotated by the recipe's RHT along the tokens (or unchanged).
-
-    The rotation is computed in float32 and then rounded to `x`'s dtype when that is narrower
-    (BF16, FP16), before any amax is taken: TransformerEngine's reference quantizer rotates in
-    the operand's dtype and its fused kernel (BF16 input only) rounds the same way, so the Wgrad
-    codes and scales are TE's bit for bit. A float32 operand stays float32 (TE's kernels have no
-    FP32 RHT; its reference then rotates in FP32 too, up to summation order).
-    """
-    if not recipe.wgrad_hadamard:
-        return x
-    rotated = hadamard_transform(x, axis=-1, size=recipe.hadamard_size)
-    if jnp.finfo(x.dtype).bits < 32:
-        return rotated.astype(x.dtype)
-    return rotated
+def _quantized(op: OperandQuant, tensor: jax.Array, keys: dict[str, Any]) -> Any:
+    """`tensor` (x, w or dY) oriented, rotated and quantized as the table says for `op`."""
+    return quantize_operand(operand_view(op, tensor), op.tq, keys[op.key_slot])
 
 
-def _wgrad_input(x_bmk: jax.Array, recipe: Recipe, key: jax.Array | None) -> Any:
+def _wgrad_input(x_bmk: jax.Array, op: OperandQuant, keys: dict[str, Any]) -> Any:
     """x^T [B, K, M], rotated along M and quantized along M (a "bf16" role keeps x unrotated)."""
-    xt = jnp.swapaxes(x_bmk, -1, -2)
-    if not recipe.fprop_input.quantized:
-        return xt
-    return quantize_operand(wgrad_rotation(xt, recipe), recipe.fprop_input, key)
+    if not op.tq.quantized:
+        return oriented(op, x_bmk)
+    return _quantized(op, x_bmk, keys)
 
 
 def _unquantized_fprop(x_bmk: jax.Array, w_bkn: jax.Array) -> jax.Array:
@@ -126,20 +128,19 @@ def _unquantized_fprop(x_bmk: jax.Array, w_bkn: jax.Array) -> jax.Array:
 
 def _fwd(x, w, key, cfg: GemmConfig):
     recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
-    keys = split_keys(key)
-    wq, reuse = dgrad_weight_quant(recipe)
-    qw = None
-    if reuse or not recipe.bf16_fprop:
-        qw = quantize_operand(jnp.swapaxes(w, -1, -2), recipe.fprop_weight, keys["fprop_w"])
-    if recipe.bf16_fprop:
+    ops, keys = operand_quants(recipe), split_keys(key)
+    computed = {op.name for op in quantizations(recipe).values()}
+    fprop_x, fprop_w, dgrad_w = ops["fprop_x"], ops["fprop_w"], ops["dgrad_w"]
+    qw = _quantized(fprop_w, w, keys) if fprop_w.name in computed else None
+    if not gemm_quantized(recipe, "fprop"):
         y = _unquantized_fprop(x, w).astype(cfg.out_dtype)
     else:
         with jax.named_scope("nvfp4/fprop"):
-            qx = quantize_operand(x, recipe.fprop_input, keys["fprop_x"])
-            y = gemm(qx, recipe.fprop_input, qw, recipe.fprop_weight).astype(cfg.out_dtype)
+            qx = _quantized(fprop_x, x, keys)
+            y = gemm(qx, fprop_x.tq, qw, fprop_w.tq).astype(cfg.out_dtype)
     with jax.named_scope("nvfp4/save_residuals"):
-        qw_dgrad = qw if reuse else quantize_operand(w, wq, keys["dgrad_w"])
-        qxt = _wgrad_input(x, recipe, keys["wgrad_x"])
+        qw_dgrad = qw if dgrad_w.reuses else _quantized(dgrad_w, w, keys)
+        qxt = _wgrad_input(x, ops["wgrad_x"], keys)
     return y, (*named_residuals((qxt, qw_dgrad)), key)
 
 
@@ -151,20 +152,17 @@ def named_residuals(tree: Any) -> Any:
 def _bwd(cfg: GemmConfig, residuals, dy):
     recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
     qxt, qw_dgrad, key = residuals
-    keys = split_keys(key)
-    wq, reuse = dgrad_weight_quant(recipe)
+    ops, keys = operand_quants(recipe), split_keys(key)
+    dgrad_dy, dgrad_w = ops["dgrad_dy"], ops["dgrad_w"]
+    wgrad_x, wgrad_dy = ops["wgrad_x"], ops["wgrad_dy"]
     dy = computed_once(dy.astype(cfg.compute_dtype))
     with jax.named_scope("nvfp4/dgrad"):
-        qdy = quantize_operand(dy, recipe.grad, keys["dgrad_dy"])
-        dx = gemm(qdy, recipe.grad, qw_dgrad, wq, b_transposed=reuse)
+        qdy = _quantized(dgrad_dy, dy, keys)
+        dx = gemm(qdy, dgrad_dy.tq, qw_dgrad, dgrad_w.tq, b_transposed=dgrad_w.reuses is not None)
     with jax.named_scope("nvfp4/wgrad"):
-        dyt = wgrad_rotation(jnp.swapaxes(dy, -1, -2), recipe)
-        if recipe.grad.quantized:
-            dyt = quantize_operand(dyt, recipe.grad, keys["wgrad_dy"])
-        xt = qxt
-        if not recipe.fprop_input.quantized:
-            xt = wgrad_rotation(qxt, recipe)
-        dw = gemm(xt, recipe.fprop_input, dyt, recipe.grad)
+        dyt = _quantized(wgrad_dy, dy, keys)
+        xt = qxt if wgrad_x.tq.quantized else rotated(wgrad_x, qxt)
+        dw = gemm(xt, wgrad_x.tq, dyt, wgrad_dy.tq)
     return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None
 
 

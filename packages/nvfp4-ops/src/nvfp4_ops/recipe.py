@@ -23,18 +23,15 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-FORMATS = ("nvfp4", "mxfp4", "fp8_e4m3", "fp8_e5m2", "bf16")
-"""Element formats. "bf16" means no quantization: the operand is used as given."""
+from nvfp4_ops.formats import FORMAT_OPS
+
+FORMATS = tuple(FORMAT_OPS)
+"""Element formats ("nvfp4", "mxfp4", "fp8_e4m3", "fp8_e5m2", "bf16": the keys of
+`nvfp4_ops.formats.FORMAT_OPS`). "bf16" means no quantization: the operand is used as given."""
 
 ROUNDINGS = ("rne", "stochastic")
 
-_BLOCKS = {
-    "nvfp4": ((1, 16), (16, 16)),
-    "mxfp4": ((1, 32),),
-    "fp8_e4m3": (None,),
-    "fp8_e5m2": (None,),
-    "bf16": (None,),
-}
+_STOCHASTIC_FORMATS = " and ".join(repr(f) for f, ops in FORMAT_OPS.items() if ops.stochastic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +54,23 @@ class TensorQuant:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
         block = None if self.block_shape is None else tuple(self.block_shape)
         object.__setattr__(self, "block_shape", block)
-        if block not in _BLOCKS[self.fmt]:
+        blocks = FORMAT_OPS[self.fmt].block_shapes
+        if block not in blocks:
             raise ValueError(
-                f"block_shape for fmt={self.fmt!r} must be one of {_BLOCKS[self.fmt]}, got {block}"
+                f"block_shape for fmt={self.fmt!r} must be one of {blocks}, got {block}"
             )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
-        if self.rounding == "stochastic" and self.fmt not in ("nvfp4", "mxfp4"):
+        if self.rounding == "stochastic" and not FORMAT_OPS[self.fmt].stochastic:
             raise ValueError(
-                f"rounding='stochastic' is implemented for fmt 'nvfp4' and 'mxfp4' only, "
+                f"rounding='stochastic' is implemented for fmt {_STOCHASTIC_FORMATS} only, "
                 f"got fmt={self.fmt!r}"
             )
 
     @property
     def quantized(self) -> bool:
         """False for "bf16" (the operand passes through unchanged)."""
-        return self.fmt != "bf16"
+        return FORMAT_OPS[self.fmt].quantized
 
     @property
     def block_size(self) -> int:

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_ops.canonical import Layout, from_canonical, pad_to, to_canonical
-from nvfp4_ops.qdot import named_residuals, split_keys
+from nvfp4_ops.gemm_table import split_keys
+from nvfp4_ops.qdot import named_residuals
 from nvfp4_ops.recipe import Recipe
 
 TE_MIN_VERSION = (2, 14)

@@ -2,7 +2,9 @@
 
 `operand_stats` quantizes one operand exactly as `quantize_operand` does and reports four float32
 scalars (`STATS`); `gemm_operand_stats` does it for every quantized operand of the three GEMMs of
-y = x @ w, prepared as `nvfp4_ops.qdot` prepares them (padding, transposes, RHT, SR keys).
+y = x @ w, prepared as `nvfp4_ops.qdot` prepares them (padding, transposes, RHT, SR keys): both
+read the operands from `nvfp4_ops.gemm_table`. The per-format counting is in
+`nvfp4_ops.formats.FORMAT_OPS` (`FormatOps.counts`).
 
 Denominators count NONZERO things only, so zero padding (and exact zeros in the data, e.g. after a
 ReLU) change no statistic:
@@ -27,19 +29,22 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_ops.canonical import pad_to
-from nvfp4_ops.fp8 import FP8_MAX
-from nvfp4_ops.qdot import dgrad_weight_quant, split_keys, wgrad_rotation
+from nvfp4_ops.formats import E2M1_MAX, FORMAT_OPS, SATURATION_SLACK
+from nvfp4_ops.gemm_table import operand_view, quantizations, require_key, split_keys
 from nvfp4_ops.quantizers import dequantize_operand, quantize_operand
 from nvfp4_ops.recipe import Recipe, TensorQuant
 
+__all__ = [
+    "E2M1_MAX",
+    "SATURATION_SLACK",
+    "STATS",
+    "gemm_operand_stats",
+    "gemm_operands",
+    "operand_stats",
+]
+
 STATS = ("amax", "underflow", "saturation", "rel_error")
 """The statistics `operand_stats` returns, in this order."""
-
-E2M1_MAX = 6.0
-SATURATION_SLACK = 2.0**-20
-"""Relative excess over the format max below which a value counts as float32 rounding, not clip."""
-
-_FLT_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _fraction(count: jax.Array, total: jax.Array) -> jax.Array:
@@ -52,59 +57,6 @@ def _rel_error(x32: jax.Array, xq: jax.Array) -> jax.Array:
     norm = jnp.linalg.norm(x32.reshape(-1))
     err = jnp.linalg.norm((x32 - xq).reshape(-1))
     return jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), 0.0).astype(jnp.float32)
-
-
-def _blocked(x: jax.Array, block: int) -> jax.Array:
-    """[..., K] -> [..., K/block, block]."""
-    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def _saturated(scaled: jax.Array, fmax: float) -> jax.Array:
-    return jnp.abs(scaled) > jnp.float32(fmax * (1.0 + SATURATION_SLACK))
-
-
-def _nvfp4_counts(x32: jax.Array, q, tq: TensorQuant) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(underflowed blocks, saturated elements, nonzero blocks) of an `NVFP4Array` `q` of `x32`.
-
-    The encode scale is the quantizer's (nvfp4_format's `_encode_blocks`), rebuilt from the stored
-    fields: enc = min(1 / (fp32(sb) * s_dec), FLT_MAX), 0 where sb == 0.
-    """
-    sb = q.block_scales.astype(jnp.float32)  # [..., K/16]; 16x16 tiles: repeated over 16 rows
-    decoded = sb * q.global_scale
-    enc = jnp.minimum(1.0 / jnp.where(sb == 0, jnp.inf, decoded), _FLT_MAX)
-    scaled = _blocked(x32, 16) * enc[..., None]
-    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
-    nonzero = jnp.any(_blocked(x32, 16) != 0, axis=-1)  # [..., K/16] per row
-    if tq.is_2d:  # one flag per tile: rows of a tile share the scale
-        tiles = nonzero.reshape(*nonzero.shape[:-2], -1, 16, nonzero.shape[-1])
-        nonzero = jnp.any(tiles, axis=-2)
-        decoded = decoded[..., ::16, :]
-    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
-    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
-
-
-def _mxfp4_counts(x32: jax.Array, q) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(underflowed blocks, saturated elements, nonzero blocks) of an `MXFP4Array` `q` of `x32`.
-
-    Scale 2^e with e = byte - 127; the quantizer's pre-clip value is ldexp(x, -e).
-    """
-    exponent = q.scales.astype(jnp.int32) - 127
-    blocks = _blocked(x32, 32)
-    scaled = jnp.ldexp(blocks, -exponent[..., None])
-    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
-    nonzero = jnp.any(blocks != 0, axis=-1)
-    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
-    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
-    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
-
-
-def _fp8_counts(x32: jax.Array, q, xq: jax.Array, fmt: str):
-    """(nonzero elements decoding to 0, saturated elements, nonzero elements) for FP8."""
-    nonzero = x32 != 0
-    underflow = jnp.sum(nonzero & (xq == 0), dtype=jnp.int32)
-    scaled = x32 / q.decode_scale
-    saturated = jnp.sum(_saturated(scaled, FP8_MAX[fmt]), dtype=jnp.int32)
-    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32)
 
 
 def _aligned(x: jax.Array, tq: TensorQuant) -> jax.Array:
@@ -151,15 +103,7 @@ def operand_stats(
         x32 = x.astype(jnp.float32)
         q = quantize_operand(x, tq, key)
         xq = dequantize_operand(q, tq, jnp.float32)
-        if tq.fmt == "nvfp4":
-            underflow, saturated, blocks = _nvfp4_counts(x32, q, tq)
-            elements = jnp.sum(x32 != 0, dtype=jnp.int32)
-        elif tq.fmt == "mxfp4":
-            underflow, saturated, blocks = _mxfp4_counts(x32, q)
-            elements = jnp.sum(x32 != 0, dtype=jnp.int32)
-        else:
-            underflow, saturated, elements = _fp8_counts(x32, q, xq, tq.fmt)
-            blocks = elements
+        underflow, saturated, blocks, elements = FORMAT_OPS[tq.fmt].counts(x32, q, xq, tq)
         return {
             "amax": amax,
             "underflow": _fraction(underflow, blocks),
@@ -185,6 +129,8 @@ def gemm_operands(
 ) -> dict[str, tuple[jax.Array, TensorQuant, str]]:
     """The quantized operands of y = x @ w's three GEMMs as `qdot` quantizes them, by role.
 
+    Read from `nvfp4_ops.gemm_table.quantizations(recipe)`, the table `qdot` runs.
+
     Each value is (operand [1, rows, contraction], its TensorQuant, the `qdot.KEY_SLOTS` slot of
     its SR key). Tokens are x's leading dims flattened (M); M, K, N are zero-padded to
     `recipe.alignment` as `dot_general` does. With `recipe.bf16_fprop` there are no Fprop roles;
@@ -196,29 +142,16 @@ def gemm_operands(
     k, n = w.shape
     m = math.prod(x.shape[:-1])
     a = recipe.alignment
-    x_mk = pad_to(x.reshape(1, m, k), (1, a, a))
-    w_kn = pad_to(w.reshape(1, k, n), (1, a, a))
-    dy_mn = pad_to(dy.reshape(1, m, n).astype(jnp.result_type(x, w)), (1, a, a))
-    wq, reuse = dgrad_weight_quant(recipe)
-    w_nk = jnp.swapaxes(w_kn, -1, -2)
-    bf16_fprop = recipe.bf16_fprop
-    roles: dict[str, tuple[jax.Array, TensorQuant, str]] = {}
-    if not bf16_fprop:
-        roles["fprop_x"] = (x_mk, recipe.fprop_input, "fprop_x")
-        roles["fprop_w"] = (w_nk, recipe.fprop_weight, "fprop_w")
-    roles["dgrad_dy"] = (dy_mn, recipe.grad, "dgrad_dy")
-    if not reuse:
-        roles["dgrad_w"] = (w_kn, wq, "dgrad_w")
-    elif bf16_fprop:
-        roles["dgrad_w"] = (w_nk, wq, "fprop_w")
-    xt = wgrad_rotation(jnp.swapaxes(x_mk, -1, -2), recipe)
-    roles["wgrad_x"] = (xt, recipe.fprop_input, "wgrad_x")
-    roles["wgrad_dy"] = (
-        wgrad_rotation(jnp.swapaxes(dy_mn, -1, -2), recipe),
-        recipe.grad,
-        "wgrad_dy",
-    )
-    return {role: spec for role, spec in roles.items() if spec[1].quantized}
+    tensors = {
+        "x": pad_to(x.reshape(1, m, k), (1, a, a)),
+        "w": pad_to(w.reshape(1, k, n), (1, a, a)),
+        "dy": pad_to(dy.reshape(1, m, n).astype(jnp.result_type(x, w)), (1, a, a)),
+    }
+    return {
+        role: (operand_view(op, tensors[op.spec.tensor]), op.tq, op.key_slot)
+        for role, op in quantizations(recipe).items()
+        if op.tq.quantized
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("recipe",))
@@ -247,10 +180,7 @@ def gemm_operand_stats(
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
-    if key is None and recipe.needs_key:
-        raise ValueError(
-            f"recipe {recipe.name!r} uses stochastic rounding and needs a PRNG key, got key=None"
-        )
+    require_key(key, recipe)
     keys = split_keys(key)
     operands = gemm_operands(x, w, dy, recipe)
     return {role: operand_stats(op, tq, keys[slot]) for role, (op, tq, slot) in operands.items()}

@@ -1,0 +1,259 @@
+"""Everything nvfp4-ops does that depends on the element format, as one table: `FORMAT_OPS`.
+
+One `FormatOps` per `TensorQuant.fmt` says which block shapes and roundings the format takes and
+how nvfp4-ops quantizes an operand to it, decodes it, hands it to the block-scaled GEMM and counts
+its statistics. `recipe`, `quantizers`, `gemm` and `telemetry` look the format up here (a dict
+lookup on a static Python string, at trace time): a new format is one entry in this table.
+
+The NVFP4 and MXFP4 numerics live in `nvfp4_format`; FP8 in `nvfp4_ops.fp8`. A quantized operand
+is the format's own pytree (`NVFP4Array`, `MXFP4Array`, `FP8Tensor`), for "bf16" the array itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import nvfp4_format
+from nvfp4_ops.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+
+MXFP4_SCALE_RULE = "ocp"
+"""MXFP4 scale rule used by the recipes: the OCP rule X = 2^(floor(log2(amax_block)) - 2)."""
+
+E2M1_MAX = 6.0
+SATURATION_SLACK = 2.0**-20
+"""Relative excess over the format max below which a value counts as float32 rounding, not clip."""
+
+_FLT_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatOps:
+    """How nvfp4-ops handles one element format (static: looked up at trace time).
+
+    Attributes:
+      block_shapes: the `TensorQuant.block_shape` values the format takes (None: per-tensor
+        scaling, or no quantization).
+      stochastic: whether rounding="stochastic" is implemented.
+      quantized: False for a format that passes the operand through unchanged ("bf16").
+      quantize: (x, tq, uniform) -> the quantized operand, blocks along the last axis; `uniform`
+        is None for round to nearest, else float32 uniforms in (0, 1) of x's shape.
+      dequantize: (q, dtype) -> the decoded operand as `dtype`.
+      gemm_operand: (q, transposed) -> (element values [B, P, C], block scales [B, P, C/block]
+        or None, global decode scale): the operand as `gemm.xla_gemm` contracts it;
+        `transposed`: q is stored [B, C, P] (a weight reused in Dgrad).
+      counts: (x32, q, xq, tq) -> int32 scalars (underflowed, saturated, underflow denominator,
+        saturation denominator) for `telemetry.operand_stats`; None when not quantized.
+    """
+
+    block_shapes: tuple[tuple[int, int] | None, ...]
+    stochastic: bool
+    quantized: bool
+    quantize: Callable[..., Any]
+    dequantize: Callable[[Any, Any], jax.Array]
+    gemm_operand: Callable[[Any, bool], tuple[jax.Array, jax.Array | None, jax.Array]]
+    counts: Callable[..., tuple[jax.Array, ...]] | None
+
+
+def materialised(x: jax.Array) -> jax.Array:
+    """`x` itself (bit for bit), written to memory once and read back by every consumer.
+
+    XLA:CPU drops `optimization_barrier`s before fusion and duplicates cheap elementwise
+    producers into each consumer. A reduction is never fused into its consumer, so the max of
+    x's bits (as unsigned integers) and 0 over a size-2 axis - x exactly, NaN payloads and -0
+    included - makes XLA compute x once where the consumer reads each element several times
+    (XLA does fuse it into a one-to-one consumer such as a transpose). Used for block scales: a
+    decode fused after the quantization re-ran clamp + float32 -> E4M3 for each of a block's 16
+    elements.
+    """
+    uint = jnp.dtype(f"uint{jnp.dtype(x.dtype).itemsize * 8}")
+    u = jax.lax.bitcast_convert_type(x, uint)
+    u = jnp.max(jnp.stack([u, jnp.zeros_like(u)], axis=-1), axis=-1)
+    return jax.lax.bitcast_convert_type(u, x.dtype)
+
+
+def _blocked(x: jax.Array, block: int) -> jax.Array:
+    """[..., K] -> [..., K/block, block]."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _saturated(scaled: jax.Array, fmax: float) -> jax.Array:
+    return jnp.abs(scaled) > jnp.float32(fmax * (1.0 + SATURATION_SLACK))
+
+
+def _fp4_values(packed: jax.Array) -> jax.Array:
+    """Packed E2M1 bytes [..., C/2] -> float4_e2m1fn [..., C] (a bitcast, low nibble first)."""
+    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return f4.reshape(*packed.shape[:-1], -1)
+
+
+def _transpose_tiles(scales: jax.Array, tile: int) -> jax.Array:
+    """Tile scales [B, Q, C/t] repeated over rows -> [B, C, Q/t] for the transposed operand."""
+    per_tile = scales[:, ::tile, :]  # [B, Q/t, C/t]
+    return jnp.repeat(jnp.swapaxes(per_tile, -1, -2), tile, axis=1)
+
+
+def _element_count(x32: jax.Array) -> jax.Array:
+    return jnp.sum(x32 != 0, dtype=jnp.int32)
+
+
+# --- NVFP4 ----------------------------------------------------------------------------------
+
+
+def _quantize_nvfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+    return nvfp4_format.quantize(x, tq.block_shape, rounding=tq.rounding, uniform=uniform)
+
+
+def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
+    """`nvfp4_format.dequantize` reading block scales materialised in memory.
+
+    The per-element E4M3 -> float32 widening left in the decode is cheap, and it also keeps
+    XLA:CPU from pulling the decode into the GEMM (which made the GEMM ~3x slower). Measured at
+    1024^2 inside a full-recipe step: 0.8-1.7 ms per decode instead of 4-7 ms (docs/ops.md).
+    """
+    q = dataclasses.replace(q, block_scales=materialised(q.block_scales))
+    return nvfp4_format.dequantize(q, dtype)
+
+
+def _nvfp4_gemm_operand(q: Any, transposed: bool):
+    vals, scales, g = _fp4_values(q.packed), q.block_scales, q.global_scale
+    if transposed:
+        vals, scales = jnp.swapaxes(vals, -1, -2), _transpose_tiles(scales, 16)
+    return vals, scales, g
+
+
+def _nvfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
+    """(underflowed blocks, saturated elements, nonzero blocks, nonzero elements) of an
+    `NVFP4Array` `q` of `x32`.
+
+    The encode scale is the quantizer's (nvfp4_format's `_encode_blocks`), rebuilt from the stored
+    fields: enc = min(1 / (fp32(sb) * s_dec), FLT_MAX), 0 where sb == 0.
+    """
+    sb = q.block_scales.astype(jnp.float32)  # [..., K/16]; 16x16 tiles: repeated over 16 rows
+    decoded = sb * q.global_scale
+    enc = jnp.minimum(1.0 / jnp.where(sb == 0, jnp.inf, decoded), _FLT_MAX)
+    scaled = _blocked(x32, 16) * enc[..., None]
+    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
+    nonzero = jnp.any(_blocked(x32, 16) != 0, axis=-1)  # [..., K/16] per row
+    if tq.is_2d:  # one flag per tile: rows of a tile share the scale
+        tiles = nonzero.reshape(*nonzero.shape[:-2], -1, 16, nonzero.shape[-1])
+        nonzero = jnp.any(tiles, axis=-2)
+        decoded = decoded[..., ::16, :]
+    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
+
+
+# --- MXFP4 ----------------------------------------------------------------------------------
+
+
+def _quantize_mxfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+    return nvfp4_format.quantize_mxfp4(x, MXFP4_SCALE_RULE, rounding=tq.rounding, uniform=uniform)
+
+
+def _dequantize_mxfp4(q: Any, dtype) -> jax.Array:
+    """`nvfp4_format.dequantize_mxfp4` behind an optimization barrier (as for NVFP4)."""
+    return nvfp4_format.dequantize_mxfp4(jax.lax.optimization_barrier(q), dtype)
+
+
+def _mxfp4_gemm_operand(q: Any, transposed: bool):
+    if transposed:
+        raise ValueError("MXFP4 operands are 1D-blocked and cannot be reused transposed")
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
+    return _fp4_values(q.packed), scales, jnp.float32(1.0)
+
+
+def _mxfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
+    """(underflowed blocks, saturated elements, nonzero blocks, nonzero elements) of an
+    `MXFP4Array` `q` of `x32`.
+
+    Scale 2^e with e = byte - 127; the quantizer's pre-clip value is ldexp(x, -e).
+    """
+    exponent = q.scales.astype(jnp.int32) - 127
+    blocks = _blocked(x32, 32)
+    scaled = jnp.ldexp(blocks, -exponent[..., None])
+    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
+    nonzero = jnp.any(blocks != 0, axis=-1)
+    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
+    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
+
+
+# --- FP8 (per-tensor current scaling) -------------------------------------------------------
+
+
+def _quantize_fp8(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+    return quantize_fp8(x, tq.fmt)
+
+
+def _fp8_gemm_operand(q: Any, transposed: bool):
+    vals = jnp.swapaxes(q.data, -1, -2) if transposed else q.data
+    return vals, None, q.decode_scale
+
+
+def _fp8_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
+    """(nonzero elements decoding to 0, saturated elements, nonzero elements twice) for FP8."""
+    nonzero = x32 != 0
+    underflow = jnp.sum(nonzero & (xq == 0), dtype=jnp.int32)
+    scaled = x32 / q.decode_scale
+    saturated = jnp.sum(_saturated(scaled, FP8_MAX[tq.fmt]), dtype=jnp.int32)
+    elements = jnp.sum(nonzero, dtype=jnp.int32)
+    return underflow, saturated, elements, elements
+
+
+# --- BF16 (no quantization) -----------------------------------------------------------------
+
+
+def _unquantized_gemm_operand(q: jax.Array, transposed: bool):
+    vals = jnp.swapaxes(q, -1, -2) if transposed else q
+    return vals, None, jnp.float32(1.0)
+
+
+_FP8 = {
+    "block_shapes": (None,),
+    "stochastic": False,
+    "quantized": True,
+    "quantize": _quantize_fp8,
+    "dequantize": dequantize_fp8,
+    "gemm_operand": _fp8_gemm_operand,
+    "counts": _fp8_counts,
+}
+
+FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
+    {
+        "nvfp4": FormatOps(
+            block_shapes=((1, 16), (16, 16)),
+            stochastic=True,
+            quantized=True,
+            quantize=_quantize_nvfp4,
+            dequantize=_dequantize_nvfp4,
+            gemm_operand=_nvfp4_gemm_operand,
+            counts=_nvfp4_counts,
+        ),
+        "mxfp4": FormatOps(
+            block_shapes=((1, 32),),
+            stochastic=True,
+            quantized=True,
+            quantize=_quantize_mxfp4,
+            dequantize=_dequantize_mxfp4,
+            gemm_operand=_mxfp4_gemm_operand,
+            counts=_mxfp4_counts,
+        ),
+        "fp8_e4m3": FormatOps(**_FP8),
+        "fp8_e5m2": FormatOps(**_FP8),
+        "bf16": FormatOps(
+            block_shapes=(None,),
+            stochastic=False,
+            quantized=False,
+            quantize=lambda x, tq, uniform: x,
+            dequantize=lambda q, dtype: q.astype(dtype),
+            gemm_operand=_unquantized_gemm_operand,
+            counts=None,
+        ),
+    }
+)
+"""{fmt: FormatOps}, in the order of `recipe.FORMATS` (which is this table's keys)."""
