@@ -270,6 +270,11 @@ def test_bad_weights_are_named(tmp_path):
     ints = dict(tensors, **{"model.norm.weight": np.ones(32, np.int32)})
     with pytest.raises(HFImportError, match=r"'model.norm.weight' is I32, expected one of"):
         _load(write_model(tmp_path / "int", QWEN3, ints))
+    nan = dict(tensors)
+    nan["model.layers.0.mlp.down_proj.weight"] = nan["model.layers.0.mlp.down_proj.weight"].copy()
+    nan["model.layers.0.mlp.down_proj.weight"][3, 5] = np.nan
+    with pytest.raises(HFImportError, match=r"'model.layers.0.mlp.down_proj.weight' holds NaN"):
+        _load(write_model(tmp_path / "nan", QWEN3, nan))
     missing = {k: v for k, v in tensors.items() if "k_norm" not in k}
     with pytest.raises(HFImportError, match=r"no tensor 'model.layers.0.self_attn.k_norm.weight'"):
         _load(write_model(tmp_path / "missing", QWEN3, missing))

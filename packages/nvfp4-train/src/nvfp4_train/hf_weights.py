@@ -175,11 +175,14 @@ class _Reader:
             hi = min(lo + step, first.stop)
             chunk = read_tensor(header, name)[(slice(lo, hi), *index[1:])]
             rows = slice(lo - first.start, hi - first.start)
-            if transposed:
-                out[..., rows] = chunk.T
-            else:
-                out[rows] = chunk
+            region = out[..., rows] if transposed else out[rows]
+            region[...] = chunk.T if transposed else chunk
             del chunk  # unmaps the tensor
+            if not np.isfinite(region).all():
+                raise HFImportError(
+                    f"model.init_from: tensor {name!r} holds NaN or Inf values; a run cannot "
+                    "start from it"
+                )
 
 
 CHUNK_BYTES = 64 * 2**20
@@ -254,7 +257,8 @@ def load_hf_params(
     checkpoint's tensors the model does not use).
 
     Raises:
-        HFImportError: missing tensors or shards, wrong shapes, non-float tensors.
+        HFImportError: missing tensors or shards, wrong shapes, non-float tensors, NaN or Inf
+            values.
     """
     files = tensor_files(model_dir)
     table = sources(cfg)
