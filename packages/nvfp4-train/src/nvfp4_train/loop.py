@@ -84,6 +84,7 @@ def reference_tokens(cfg: Config, datasets: Any) -> np.ndarray | None:
 
 
 def eval_batches(cfg: Config, datasets: Any) -> list[dict]:
+    """The validation batches a run evaluates on (the first `train.eval_batches`, or all)."""
     batches = list(datasets.validation_batches())
     return batches if cfg.train.eval_batches is None else batches[: cfg.train.eval_batches]
 
