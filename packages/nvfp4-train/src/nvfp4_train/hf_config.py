@@ -16,12 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nvfp4_train.model import ARCHITECTURES, ROPE_TYPES
+from nvfp4_train.model import ARCHITECTURES, ROPE_TYPES, RopeScaling
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -176,8 +177,7 @@ def _agrees(key: str, mine: Any, theirs: Any, section: Mapping[str, Any]) -> boo
     if key == "vocab_size" and mine == 0:
         return True
     if key == "rope_scaling" and isinstance(mine, Mapping):
-        defaults = {"rope_type": "default", "factor": 1.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+        defaults = dataclasses.asdict(RopeScaling())
         mine, theirs = {**defaults, **mine}, {**defaults, **theirs}
         if mine["rope_type"] == "default" == theirs["rope_type"]:
             return True
