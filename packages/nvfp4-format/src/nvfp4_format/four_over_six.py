@@ -75,7 +75,8 @@ def select_block_scales(
       xp: the array namespace.
       x: floating [..., K] input (validated by the caller).
       block_amax: float32 per-block amax, [..., K/16] or per 16x16 tile [..., M/16, K/16].
-      s_enc, s_dec: the tensor's encode / decode scales from the 6 * 256 rule.
+      s_enc, s_dec: the tensor's encode / decode scales from the 6 * 256 rule: scalars, or
+        one per row [..., 1] (1x16 blocks, `quantize(outer_scale="row")`).
       block_shape: (1, 16) or (16, 16).
       error_metric: "mse", "l1" or "max_abs".
     """
@@ -85,31 +86,36 @@ def select_block_scales(
     tile_rows = block_shape[0]
     x_rows = x.reshape(-1, k)
     sb6_rows, sb4_rows = sb6.reshape(-1, k // BLOCK_SIZE), sb4.reshape(-1, k // BLOCK_SIZE)
+    per_row = s_dec.ndim > 0  # one decode scale per row (1x16 blocks): [n, 1] like x_rows
+    s_dec_rows = s_dec.reshape(-1, 1) if per_row else s_dec
     if is_jax_array(x_rows):
-        err6 = _block_errors(xp, x_rows, sb6_rows, s_enc, s_dec, tile_rows, error_metric)
-        err4 = _block_errors(xp, x_rows, sb4_rows, s_enc, s_dec, tile_rows, error_metric)
+        err6 = _block_errors(xp, x_rows, sb6_rows, s_dec_rows, tile_rows, error_metric)
+        err4 = _block_errors(xp, x_rows, sb4_rows, s_dec_rows, tile_rows, error_metric)
         choose4 = err4 < err6
     else:  # NumPy: by row chunks, so temporaries stay in cache
         choose4 = np.empty(sb6_rows.shape, bool)
         for sl in row_chunks(x_rows.shape[0], k, tile_rows):
             rows = slice(sl.start // tile_rows, sl.stop // tile_rows)
-            x_chunk = x_rows[sl]
-            err6 = _block_errors(np, x_chunk, sb6_rows[rows], s_enc, s_dec, tile_rows, error_metric)
-            err4 = _block_errors(np, x_chunk, sb4_rows[rows], s_enc, s_dec, tile_rows, error_metric)
+            x_chunk, s_dec_chunk = x_rows[sl], s_dec_rows[sl] if per_row else s_dec
+            err6 = _block_errors(np, x_chunk, sb6_rows[rows], s_dec_chunk, tile_rows, error_metric)
+            err4 = _block_errors(np, x_chunk, sb4_rows[rows], s_dec_chunk, tile_rows, error_metric)
             choose4[rows] = err4 < err6
     return xp.where(choose4, sb4_rows, sb6_rows).reshape(sb6.shape)
 
 
 def _block_errors(
-    xp: Any, x: Any, scales: Any, s_enc: Any, s_dec: Any, tile_rows: int, error_metric: str
+    xp: Any, x: Any, scales: Any, s_dec: Any, tile_rows: int, error_metric: str
 ) -> Any:
     """float32 error per block [n / tile_rows, K/16] of the RNE encoding with `scales`.
 
-    x is [n, K]; scales [n / tile_rows, K/16] (one per 1x16 block or 16x16 tile).
+    x is [n, K]; scales [n / tile_rows, K/16] (one per 1x16 block or 16x16 tile); s_dec a scalar
+    or, for 1x16 blocks, one per row [n, 1].
     """
     n, k = x.shape
     x32 = xp.asarray(x, dtype=xp.float32).reshape(n // tile_rows, tile_rows, k // BLOCK_SIZE, -1)
     enc = block_encode_scales(xp, scales, s_dec)[:, None, :, None]
+    if s_dec.ndim > 0:
+        s_dec = s_dec[:, None, :, None]  # [n, 1, 1, 1] against the blocks [n, 1, K/16, 16]
     magnitude = _encode_bits(xp, x32 * enc, "rne", None, 0)  # codes 0..7 (sign dropped)
     # 2 * e2m1_value: codes 0..4 -> 0..4 (values 0..2), 5 -> 6, 6 -> 8, 7 -> 12 (values 3, 4, 6).
     twice = magnitude + (xp.maximum(magnitude, 4) - 4) + 2 * (xp.maximum(magnitude, 6) - 6)

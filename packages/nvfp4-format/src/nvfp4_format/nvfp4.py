@@ -13,6 +13,11 @@ The arithmetic follows the spec (and TransformerEngine's kernels) in float32, in
 `quantize(..., block_scale_rule="4over6")` replaces 448 by 256 in s_enc and picks, per block, sb
 from two candidates (block amax -> 6 or -> 4); see `nvfp4_format.four_over_six`.
 
+`quantize(..., outer_scale="row")` (1x16 blocks only) keeps one outer scale per ROW (per index of
+the leading axes; "per token" for activations, as TransformerEngine's row-scaled NVFP4): amax,
+s_enc and s_dec above are then taken per row, over the last axis, and `global_scale` is [..., 1].
+Everything else is unchanged, so each row is exactly the quantization of that row on its own.
+
 One deliberate choice beyond the formulas: in a block whose scale `sb` is zero (an all-zero block, or
 one whose amax is below ~2.2e-6 of the tensor amax and flushes) every code is 0. The formulas alone
 would leave saturated codes there that decode to 0 anyway; zero codes say what the block holds.
@@ -60,6 +65,8 @@ from nvfp4_format.four_over_six import (
 from nvfp4_format.packing import decode_packed, pack_pairs, unpack_fp4
 
 BLOCK_SHAPES = ((1, 16), (16, 16))
+OUTER_SCALES = ("tensor", "row")
+"""`quantize(outer_scale=...)`: one FP32 decode scale per tensor, or one per row [..., 1]."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,8 +77,10 @@ class NVFP4Array:
       packed: uint8 [..., K/2], two E2M1 codes per byte (even index in the low nibble).
       block_scales: float8_e4m3fn [..., K/16], per-block decode scales. For 16x16 tiles each tile's
         scale is repeated over its 16 rows, which is the 1x16 layout servers load.
-      global_scale: float32 scalar, the tensor's DECODE scale 1 / s_enc (~ amax / (6 * 448)).
-        NaN marks a tensor quantized from non-finite input (JAX path).
+      global_scale: float32 DECODE scale(s) 1 / s_enc (~ amax / (6 * 448)): a scalar, one per
+        tensor, or [..., 1] (the leading axes of `shape`, then 1), one per row (1x16 blocks
+        only; `quantize(outer_scale="row")`). NaN marks a tensor (row) quantized from
+        non-finite input (JAX path).
       shape: the logical shape [..., K].
       block_shape: (1, 16) or (16, 16).
     """
@@ -94,10 +103,16 @@ class NVFP4Array:
         if block_shape == (16, 16) and (len(shape) < 2 or shape[-2] % BLOCK_SIZE):
             raise ValueError(f"NVFP4Array with 16x16 tiles needs rows % 16 == 0, got {shape}")
         lead, k = shape[:-1], shape[-1]
+        row = self.outer_scale == "row"
+        if row and block_shape != (1, 16):
+            raise ValueError(
+                f"NVFP4Array with per-row global scales needs 1x16 blocks, got block_shape="
+                f"{block_shape} and global_scale shape {tuple(self.global_scale.shape)}"
+            )
         check_fields("NVFP4Array", shape, {
             "packed": (self.packed, np.uint8, (*lead, k // 2)),
             "block_scales": (self.block_scales, ml_dtypes.float8_e4m3fn, (*lead, k // BLOCK_SIZE)),
-            "global_scale": (self.global_scale, np.float32, ()),
+            "global_scale": (self.global_scale, np.float32, (*lead, 1) if row else ()),
         })  # fmt: skip
 
     def codes(self) -> Any:
@@ -105,9 +120,26 @@ class NVFP4Array:
         return unpack_fp4(self.packed)
 
     @property
+    def outer_scale(self) -> str:
+        """Which outer scale it has: "tensor" (one) or "row" (one per row, [..., 1]).
+
+        Told apart by rank: a row scale has the rank of `packed` ([..., K/2]), a tensor scale
+        that rank minus len(shape) (0 unless `jax.vmap` added batch axes to both).
+        """
+        scale_ndim = getattr(self.global_scale, "ndim", 0)
+        if scale_ndim == 0:
+            return "tensor"
+        packed_ndim = getattr(self.packed, "ndim", None)
+        if packed_ndim is not None:
+            return "row" if scale_ndim == packed_ndim else "tensor"
+        row_shape = (*self.shape[:-1], 1)  # no packed array to compare with (pytree placeholders)
+        return "row" if tuple(self.global_scale.shape)[-len(row_shape) :] == row_shape else "tensor"
+
+    @property
     def nbytes(self) -> int:
-        """Storage bytes: packed codes + block scales + the 4-byte global scale."""
-        return int(np.prod(self.packed.shape)) + int(np.prod(self.block_scales.shape)) + 4
+        """Storage bytes: packed codes + block scales + 4 bytes per global (outer) scale."""
+        scales = math.prod(self.global_scale.shape) if self.outer_scale == "row" else 1
+        return int(np.prod(self.packed.shape)) + int(np.prod(self.block_scales.shape)) + 4 * scales
 
 
 register_dataclass(NVFP4Array, ["packed", "block_scales", "global_scale"], ["shape", "block_shape"])
@@ -145,6 +177,7 @@ def quantize(
     uniform: Any = None,
     block_scale_rule: str = "max",
     error_metric: str = "mse",
+    outer_scale: str = "tensor",
 ) -> NVFP4Array:
     """Quantize `x` to NVFP4 with blocks along the last axis.
 
@@ -153,7 +186,8 @@ def quantize(
         NumPy or JAX (works inside `jax.jit`).
       block_shape: (1, 16) blocks, or (16, 16) tiles over the last two axes (weights).
       global_amax: the amax that sets the tensor scale; defaults to max|x|. Pass the max over a
-        group of tensors (fused q/k/v, gate/up) so they share one global scale.
+        group of tensors (fused q/k/v, gate/up) so they share one global scale. With
+        outer_scale="row": one amax per row, shape [..., 1] or [...] (x.shape[:-1]).
       rounding: "rne" or "stochastic" (gradients).
       uniform: for "stochastic", uniform random numbers in [0, 1) with the shape of `x`.
       block_scale_rule: "max" (standard: each block's amax maps to 6) or "4over6" (Four Over Six:
@@ -162,6 +196,11 @@ def quantize(
         way. With stochastic rounding the choice is made on the RNE encodings' errors.
       error_metric: for "4over6", what "better" means per block: "mse" (sum of squared errors),
         "l1" (sum of absolute errors) or "max_abs" (largest absolute error). Ties keep amax -> 6.
+      outer_scale: "tensor" (one FP32 decode scale, `global_scale` shape ()) or "row" (1x16
+        blocks only: one per row, i.e. per index of x's leading axes, from that row's amax over
+        the last axis; `global_scale` [..., 1]). Each row then quantizes exactly as that row
+        alone with "tensor": same codes, block scales, zero handling (an all-zero row gets
+        scale 1) and non-finite marking (only that row's scale is NaN).
 
     Returns:
       An `NVFP4Array`.
@@ -169,9 +208,10 @@ def quantize(
     Raises:
       TypeError: `x` is not floating.
       ValueError: shapes that do not tile, NaN/Inf in NumPy input, bad `global_amax`, unknown
-        `block_scale_rule` / `error_metric`, or stochastic rounding without `uniform`. With JAX
-        input non-finite values give a NaN `global_scale` instead (jit cannot raise), so
-        `dequantize` returns NaN, never a finite lie.
+        `block_scale_rule` / `error_metric` / `outer_scale`, outer_scale="row" with 16x16 tiles,
+        or stochastic rounding without `uniform`. With JAX input non-finite values give a NaN
+        `global_scale` instead (jit cannot raise), so `dequantize` returns NaN, never a finite
+        lie.
 
     Example:
       >>> q = quantize(np.linspace(-3, 3, 32, dtype=np.float32))
@@ -180,20 +220,24 @@ def quantize(
       >>> x = np.array([4.0, 3.0] + [0.0] * 14, np.float32)  # 3 is exact on the grid 0..4
       >>> dequantize(quantize(x, block_scale_rule="4over6"))[:2]
       array([4., 3.], dtype=float32)
+      >>> rows = np.array([[1.0] * 16, [1e-3] * 16], np.float32)  # one scale per row
+      >>> quantize(rows, outer_scale="row").global_scale.shape
+      (2, 1)
     """
     check_float("x", x)
     xp = namespace(x, global_amax, uniform)
     check_rounding(rounding)
     _check_block_scale_rule(block_scale_rule, error_metric)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
+    _check_outer_scale(outer_scale, block_shape)
     if x.size == 0:
-        return _empty(xp, tuple(x.shape), block_shape)
+        return _empty(xp, tuple(x.shape), block_shape, outer_scale)
     block_amax = _block_amax(xp, x, block_shape)
     if not is_jax_array(block_amax) and block_amax.size and not np.isfinite(block_amax.max()):
         check_finite("x", x)  # NaN and Inf reach the block amaxes; this names the first one
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
-    amax = _tensor_amax(xp, block_amax, global_amax)
+    amax = _outer_amax(xp, block_amax, global_amax, outer_scale)
     s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
     s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
     if block_scale_rule == "4over6":
@@ -203,8 +247,12 @@ def quantize(
     packed = _encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
     if block_shape == (16, 16):
         scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
-    # Non-finite input (JAX only; NumPy raised above) marks the tensor, also under `global_amax`.
-    finite = xp.isfinite(amax) & (xp.isfinite(xp.max(block_amax)) if block_amax.size else True)
+    # Non-finite input (JAX only; NumPy raised above) marks the tensor (row), also under
+    # `global_amax`.
+    if outer_scale == "row":
+        finite = xp.isfinite(amax) & xp.isfinite(xp.max(block_amax, axis=-1, keepdims=True))
+    else:
+        finite = xp.isfinite(amax) & (xp.isfinite(xp.max(block_amax)) if block_amax.size else True)
     global_scale = xp.where(finite, s_dec, xp.float32(np.nan)).astype(xp.float32)
     return NVFP4Array(
         packed=packed,
@@ -229,8 +277,21 @@ def _check_block_scale_rule(block_scale_rule: str, error_metric: str = "mse") ->
         )
 
 
+def _check_outer_scale(outer_scale: str, block_shape: tuple[int, int]) -> None:
+    if outer_scale not in OUTER_SCALES:
+        raise ValueError(f"outer_scale must be one of {OUTER_SCALES}, got {outer_scale!r}")
+    if outer_scale == "row" and block_shape != (1, 16):
+        raise ValueError(
+            "outer_scale='row' needs block_shape=(1, 16): a 16x16 tile spans 16 rows, each with "
+            f"its own outer scale, got block_shape={block_shape}"
+        )
+
+
 def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
-    """Decode an `NVFP4Array`: e2m1_value * float32(block scale) * global scale, then cast."""
+    """Decode an `NVFP4Array`: (e2m1_value * float32(block scale)) * global scale, then cast.
+
+    A per-row global scale [..., 1] multiplies every block of its row.
+    """
     if not isinstance(a, NVFP4Array):
         raise TypeError(f"a must be an NVFP4Array, got {type(a).__name__}")
     xp = namespace(a.packed, a.block_scales, a.global_scale)
@@ -239,26 +300,39 @@ def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
     values = decode_packed(a.packed)
     blocks = values.reshape(*values.shape[:-1], -1, BLOCK_SIZE)
     scales = xp.asarray(a.block_scales).astype(xp.float32)[..., None]
-    out = (blocks * scales) * xp.asarray(a.global_scale, dtype=xp.float32)
+    global_scale = xp.asarray(a.global_scale, dtype=xp.float32)
+    if a.outer_scale == "row":
+        global_scale = global_scale[..., None]  # [..., 1, 1] against blocks [..., K/16, 16]
+    out = (blocks * scales) * global_scale
     return out.reshape(a.shape).astype(dtype)
 
 
-def _empty(xp: Any, shape: tuple[int, ...], block_shape: tuple[int, int]) -> NVFP4Array:
-    """The quantization of a zero-size `x`: empty codes and scales, the zero tensor's scale 1."""
+def _empty(
+    xp: Any, shape: tuple[int, ...], block_shape: tuple[int, int], outer_scale: str = "tensor"
+) -> NVFP4Array:
+    """The quantization of a zero-size `x`: empty codes and scales, the zero tensor's scale 1
+    (per row: [..., 1] ones, empty unless only K is 0)."""
     *lead, k = shape
+    scale_shape = (*lead, 1) if outer_scale == "row" else ()
     return NVFP4Array(
         packed=xp.zeros((*lead, k // 2), xp.uint8),
         block_scales=xp.zeros((*lead, k // BLOCK_SIZE), ml_dtypes.float8_e4m3fn),
-        global_scale=xp.asarray(1.0, dtype=xp.float32),
+        global_scale=xp.ones(scale_shape, dtype=xp.float32),
         shape=shape,
         block_shape=block_shape,
     )
 
 
 def has_nonfinite(a: NVFP4Array) -> Any:
-    """True where the tensor was quantized from non-finite input (its global scale is NaN)."""
+    """True where the tensor was quantized from non-finite input (a global scale is NaN).
+
+    With per-row scales: True if any row's scale is NaN (batch axes added by `jax.vmap` kept).
+    """
     xp = namespace(a.global_scale)
-    return xp.isnan(xp.asarray(a.global_scale))
+    nan = xp.isnan(xp.asarray(a.global_scale))
+    if a.outer_scale == "row":
+        return xp.any(nan, axis=tuple(range(nan.ndim - len(a.shape), nan.ndim)))
+    return nan
 
 
 def _check_block_shape(block_shape: Any, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -278,15 +352,29 @@ def _check_block_shape(block_shape: Any, shape: tuple[int, ...]) -> tuple[int, i
     return block_shape  # type: ignore[return-value]
 
 
-def _tensor_amax(xp: Any, block_amax: Any, global_amax: Any) -> Any:
-    """max|x| as the max of the block amaxes (exact, and one pass less), or the caller's."""
+def _outer_amax(xp: Any, block_amax: Any, global_amax: Any, outer_scale: str) -> Any:
+    """max|x| (shape ()) or per row (1x16 blocks [..., K/16] -> [..., 1]) as the max of the
+    block amaxes (exact, and one pass less), or the caller's."""
+    row = outer_scale == "row"
     if global_amax is None:
+        if row:
+            return xp.max(block_amax, axis=-1, keepdims=True)
         return xp.max(block_amax) if block_amax.size else xp.float32(0.0)
     amax = xp.asarray(global_amax, dtype=xp.float32)
-    if amax.ndim != 0:
+    if not row and amax.ndim != 0:
         raise ValueError(f"global_amax must be a scalar, got shape {tuple(amax.shape)}")
-    if not is_jax_array(amax) and not (np.isfinite(amax) and amax >= 0):
-        raise ValueError(f"global_amax must be finite and >= 0, got {float(amax)}")
+    if row:
+        lead = tuple(block_amax.shape[:-1])
+        if tuple(amax.shape) == lead:
+            amax = amax[..., None]
+        if tuple(amax.shape) != (*lead, 1):
+            raise ValueError(
+                f"global_amax with outer_scale='row' must hold one amax per row, shape "
+                f"{(*lead, 1)} or {lead}, got shape {tuple(amax.shape)}"
+            )
+    if not is_jax_array(amax) and not (np.isfinite(amax).all() and (amax >= 0).all()):
+        bad = amax if amax.ndim == 0 else amax[~(np.isfinite(amax) & (amax >= 0))][0]
+        raise ValueError(f"global_amax must be finite and >= 0, got {float(bad)}")
     return amax
 
 
