@@ -17,10 +17,17 @@ from nvfp4_ops.gemm_table import (
     quantizations,
     require_key,
 )
+from nvfp4_ops.recipe import DEFAULTS_TO, ROLES, compose
 from nvfp4_ops.telemetry import gemm_operands
 
+_NV, _MX8, _BF = get_recipe("nvfp4"), get_recipe("nvfp4-fwd-mxfp8-bwd"), get_recipe("bf16")
 ALL_RECIPES = [
     r for name in RECIPES for r in (get_recipe(name), get_recipe(name).with_bf16_fprop())
+] + [
+    compose(_NV, _MX8, get_recipe("nvfp4-no-sr")),
+    compose(_BF, _NV, _MX8),
+    compose(_NV, _BF, _NV),
+    compose(get_recipe("nvfp4-no-2d"), _NV, _NV),
 ]
 
 
@@ -46,8 +53,9 @@ def test_operand_table_is_consistent():
         assert GEMM_SPECS[spec.gemm] in [
             g for g in GEMM_SPECS.values() if spec.name in (g.lhs, g.rhs)
         ]
-        assert spec.setting in ("fprop_input", "fprop_weight", "grad")
-        assert spec.shares is None or OPERANDS[spec.shares].setting == spec.setting
+        assert spec.setting in ROLES
+        shares = spec.shares
+        assert shares is None or DEFAULTS_TO[spec.setting] == OPERANDS[shares].setting
     for flag in (g.unquantized_if for g in GEMM_SPECS.values() if g.unquantized_if):
         assert isinstance(getattr(Recipe(), flag), bool)
 

@@ -21,7 +21,7 @@ from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.qdot import RESIDUAL_NAME
-from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, get_recipe
+from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, compose, get_recipe
 from nvfp4_ops.telemetry import STATS, gemm_operand_stats, operand_stats
 from nvfp4_ops.verify import VerifyReport, verify_backend
 
@@ -43,6 +43,7 @@ __all__ = [
     "auto_backend",
     "auto_order",
     "backend_capabilities",
+    "compose",
     "dequantize_fp8",
     "dot_general",
     "fake_quantize",

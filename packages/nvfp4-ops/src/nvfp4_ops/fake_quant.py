@@ -19,6 +19,9 @@ def fake_quantize(
     block_shape: tuple[int, int] | None = (1, 16),
     rounding: str = "rne",
     key: jax.Array | None = None,
+    *,
+    block_scale_rule: str = "max",
+    outer_scale: str = "tensor",
 ) -> jax.Array:
     """Return dequantize(quantize(x)) in x's dtype, blocks along the last axis.
 
@@ -28,18 +31,19 @@ def fake_quantize(
 
     Args:
       x: floating array, at least 1-D (2-D for 16x16 tiles).
-      fmt: "nvfp4", "mxfp4", "fp8_e4m3", "fp8_e5m2" or "bf16" (identity).
+      fmt: "nvfp4", "mxfp4", "mxfp8", "fp8_e4m3", "fp8_e5m2" or "bf16" (identity).
       block_shape: as `TensorQuant.block_shape` ((1, 16) or (16, 16) for nvfp4, (1, 32) for
-        mxfp4, None for FP8).
+        mxfp4 and mxfp8, None for FP8).
       rounding: "rne" or "stochastic" (FP4 formats; needs `key`).
       key: PRNG key for stochastic rounding.
+      block_scale_rule, outer_scale: as `TensorQuant` ("4over6" and "row" for nvfp4).
 
     Example:
       >>> y = fake_quantize(jnp.linspace(-1.0, 1.0, 20))
       >>> y.shape, float(jnp.abs(y - jnp.linspace(-1.0, 1.0, 20)).max()) < 0.2
       ((20,), True)
     """
-    tq = TensorQuant(fmt, block_shape, rounding)
+    tq = TensorQuant(fmt, block_shape, rounding, block_scale_rule, outer_scale)
     x = jnp.asarray(x)
     if x.ndim < (2 if tq.is_2d else 1):
         raise ValueError(f"x needs at least {2 if tq.is_2d else 1} dimensions, got shape {x.shape}")

@@ -22,8 +22,14 @@ import jax.numpy as jnp
 import nvfp4_format
 from nvfp4_ops.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
 
+E4M3_MAX = FP8_MAX["fp8_e4m3"]
+
 MXFP4_SCALE_RULE = "ocp"
 """MXFP4 scale rule used by the recipes: the OCP rule X = 2^(floor(log2(amax_block)) - 2)."""
+
+MXFP8_SCALE_RULE = "ceil"
+"""MXFP8 scale rule used by the recipes: the smallest 2^e with 448 * 2^e >= amax_block, as
+TransformerEngine's MXFP8 kernels round amax / 448 up to a power of two (nothing saturates)."""
 
 E2M1_MAX = 6.0
 SATURATION_SLACK = 2.0**-20
@@ -40,6 +46,8 @@ class FormatOps:
       block_shapes: the `TensorQuant.block_shape` values the format takes (None: per-tensor
         scaling, or no quantization).
       stochastic: whether rounding="stochastic" is implemented.
+      block_scale_rules: the `TensorQuant.block_scale_rule` values it takes.
+      outer_scales: the `TensorQuant.outer_scale` values it takes.
       quantized: False for a format that passes the operand through unchanged ("bf16").
       quantize: (x, tq, uniform) -> the quantized operand, blocks along the last axis; `uniform`
         is None for round to nearest, else float32 uniforms in (0, 1) of x's shape.
@@ -58,6 +66,8 @@ class FormatOps:
     dequantize: Callable[[Any, Any], jax.Array]
     gemm_operand: Callable[[Any, bool], tuple[jax.Array, jax.Array | None, jax.Array]]
     counts: Callable[..., tuple[jax.Array, ...]] | None
+    block_scale_rules: tuple[str, ...] = ("max",)
+    outer_scales: tuple[str, ...] = ("tensor",)
 
 
 def materialised(x: jax.Array) -> jax.Array:
@@ -106,7 +116,14 @@ def _element_count(x32: jax.Array) -> jax.Array:
 
 
 def _quantize_nvfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
-    return nvfp4_format.quantize(x, tq.block_shape, rounding=tq.rounding, uniform=uniform)
+    return nvfp4_format.quantize(
+        x,
+        tq.block_shape,
+        rounding=tq.rounding,
+        uniform=uniform,
+        block_scale_rule=tq.block_scale_rule,
+        outer_scale=tq.outer_scale,
+    )
 
 
 def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
@@ -121,8 +138,15 @@ def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
 
 
 def _nvfp4_gemm_operand(q: Any, transposed: bool):
+    """(E2M1 values [B, P, C], E4M3 block scales [B, P, C/16], global decode scale: a scalar,
+    or [B, P, 1] with one per row (outer_scale="row"); `gemm.xla_gemm` orients it)."""
     vals, scales, g = _fp4_values(q.packed), q.block_scales, q.global_scale
     if transposed:
+        if q.outer_scale == "row":
+            raise ValueError(
+                "a row-scaled NVFP4 operand (outer_scale='row', global_scale shape "
+                f"{tuple(g.shape)}) cannot be reused transposed: its rows would become columns"
+            )
         vals, scales = jnp.swapaxes(vals, -1, -2), _transpose_tiles(scales, 16)
     return vals, scales, g
 
@@ -132,10 +156,11 @@ def _nvfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]
     `NVFP4Array` `q` of `x32`.
 
     The encode scale is the quantizer's (nvfp4_format's `_encode_blocks`), rebuilt from the stored
-    fields: enc = min(1 / (fp32(sb) * s_dec), FLT_MAX), 0 where sb == 0.
+    fields: enc = min(1 / (fp32(sb) * s_dec), FLT_MAX), 0 where sb == 0. s_dec is the tensor's
+    scalar or, with outer_scale="row", one per row [..., 1], which broadcasts over its blocks.
     """
     sb = q.block_scales.astype(jnp.float32)  # [..., K/16]; 16x16 tiles: repeated over 16 rows
-    decoded = sb * q.global_scale
+    decoded = sb * q.global_scale  # s_dec: () or [..., 1] (per row, 1x16 blocks only)
     enc = jnp.minimum(1.0 / jnp.where(sb == 0, jnp.inf, decoded), _FLT_MAX)
     scaled = _blocked(x32, 16) * enc[..., None]
     saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
@@ -177,6 +202,38 @@ def _mxfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]
     blocks = _blocked(x32, 32)
     scaled = jnp.ldexp(blocks, -exponent[..., None])
     saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
+    nonzero = jnp.any(blocks != 0, axis=-1)
+    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
+    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
+
+
+# --- MXFP8 ----------------------------------------------------------------------------------
+
+
+def _quantize_mxfp8(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+    return nvfp4_format.quantize_mxfp8(x, MXFP8_SCALE_RULE)
+
+
+def _dequantize_mxfp8(q: Any, dtype) -> jax.Array:
+    """`nvfp4_format.dequantize_mxfp8` behind an optimization barrier (as for MXFP4)."""
+    return nvfp4_format.dequantize_mxfp8(jax.lax.optimization_barrier(q), dtype)
+
+
+def _mxfp8_gemm_operand(q: Any, transposed: bool):
+    if transposed:
+        raise ValueError("MXFP8 operands are 1D-blocked and cannot be reused transposed")
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
+    return q.data, scales, jnp.float32(1.0)
+
+
+def _mxfp8_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
+    """(underflowed blocks, saturated elements, nonzero blocks, nonzero elements) of an
+    `MXFP8Array` `q` of `x32` (as `_mxfp4_counts`, with the E4M3 max 448)."""
+    exponent = q.scales.astype(jnp.int32) - 127
+    blocks = _blocked(x32, 32)
+    scaled = jnp.ldexp(blocks, -exponent[..., None])
+    saturated = jnp.sum(_saturated(scaled, E4M3_MAX), dtype=jnp.int32)
     nonzero = jnp.any(blocks != 0, axis=-1)
     decoded = jnp.ldexp(jnp.float32(1.0), exponent)
     underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
@@ -233,6 +290,8 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             dequantize=_dequantize_nvfp4,
             gemm_operand=_nvfp4_gemm_operand,
             counts=_nvfp4_counts,
+            block_scale_rules=("max", "4over6"),
+            outer_scales=("tensor", "row"),
         ),
         "mxfp4": FormatOps(
             block_shapes=((1, 32),),
@@ -242,6 +301,15 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             dequantize=_dequantize_mxfp4,
             gemm_operand=_mxfp4_gemm_operand,
             counts=_mxfp4_counts,
+        ),
+        "mxfp8": FormatOps(
+            block_shapes=((1, 32),),
+            stochastic=False,
+            quantized=True,
+            quantize=_quantize_mxfp8,
+            dequantize=_dequantize_mxfp8,
+            gemm_operand=_mxfp8_gemm_operand,
+            counts=_mxfp8_counts,
         ),
         "fp8_e4m3": FormatOps(**_FP8),
         "fp8_e5m2": FormatOps(**_FP8),

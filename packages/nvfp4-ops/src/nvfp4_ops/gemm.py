@@ -2,7 +2,9 @@
 
 Operands are [B, P, C] and [B, Q, C] (C contracted), giving float32 [B, P, Q] (FP32 accumulation).
 `b_transposed=True` means the second operand is stored [B, C, Q] (a 16x16-tiled, per-tensor or
-unquantized weight reused in Dgrad); its values are used transposed.
+unquantized weight reused in Dgrad); its values are used transposed. An NVFP4 operand with one
+outer scale per row (outer_scale="row") has global decode scales [B, P, 1] (lhs) or [B, Q, 1]
+(rhs), applied to the output rows or columns; it is never reused transposed.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def xla_gemm(
 
     Computes sum_blocks(qA * qB * sbA * sbB) * s_dec_A * s_dec_B (spec section 3) with
     `_block_scaled_dot` where both operands are block-scaled alike, else as FP32 dot of the
-    scaled elements.
+    scaled elements. s_dec_A, s_dec_B are scalars or per row (`_outer_scales`).
     Equal to `emulated_gemm` up to FP32 summation order and the rounding of the global scales.
     """
     with jax.named_scope("nvfp4/gemm_xla"):
@@ -65,7 +67,19 @@ def xla_gemm(
                 precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32,
             )
-        return out * (ga * gb)
+        return out * _outer_scales(ga, gb)
+
+
+def _outer_scales(ga: jax.Array, gb: jax.Array) -> jax.Array:
+    """s_dec_A * s_dec_B against the output [B, P, Q].
+
+    Scalars multiply as scalars (so per-tensor results are unchanged). A per-row lhs scale is
+    [B, P, 1] (one per output row); a per-row rhs scale [B, Q, 1] becomes [B, 1, Q] (one per
+    output column).
+    """
+    if jnp.ndim(gb) > 0:
+        gb = jnp.swapaxes(gb, -1, -2)
+    return ga * gb
 
 
 def _block_scaled_dot(a, b, sa, sb) -> jax.Array:

@@ -3,19 +3,20 @@
 y = x . w with x [B, M, K], w [B, K, N] and dY [B, M, N]; every GEMM contracts the LAST axis of
 both its operands ([B, P, C] . [B, Q, C] -> [B, P, Q]):
 
-| GEMM  | operand (= key slot) | tensor, as contracted | `Recipe` field | RHT | reuses            |
-|-------|----------------------|-----------------------|----------------|-----|-------------------|
-| fprop | fprop_x              | x    [M, K]           | fprop_input    |     |                   |
-| fprop | fprop_w              | w^T  [N, K]           | fprop_weight   |     |                   |
-| dgrad | dgrad_dy             | dY   [M, N]           | grad           |     |                   |
-| dgrad | dgrad_w              | w    [K, N]           | fprop_weight   |     | fprop_w, if 2D/per-tensor |
-| wgrad | wgrad_x              | x^T  [K, M]           | fprop_input    | yes |                   |
-| wgrad | wgrad_dy             | dY^T [N, M]           | grad           | yes |                   |
+| GEMM  | operand (= key slot) | tensor, as contracted | `Recipe` field (default)     | RHT | reuses  |
+|-------|----------------------|-----------------------|------------------------------|-----|---------|
+| fprop | fprop_x              | x    [M, K]           | fprop_input                  |     |         |
+| fprop | fprop_w              | w^T  [N, K]           | fprop_weight                 |     |         |
+| dgrad | dgrad_dy             | dY   [M, N]           | grad                         |     |         |
+| dgrad | dgrad_w              | w    [K, N]           | dgrad_weight (fprop_weight)  |     | fprop_w |
+| wgrad | wgrad_x              | x^T  [K, M]           | wgrad_input (fprop_input)    | yes |         |
+| wgrad | wgrad_dy             | dY^T [N, M]           | wgrad_grad (grad)            | yes |         |
 
 (RHT: the recipe's random Hadamard transform along the tokens when `wgrad_hadamard`.) A 16x16-tiled
 or per-tensor (or unquantized) weight has the same values in both orientations, so Dgrad reuses
-the Fprop quantization, transposed, with its key; a 1D weight is re-quantized along N. With
-`Recipe.bf16_fprop` the Fprop GEMM runs on the unquantized operands.
+the Fprop quantization, transposed, with its key, when its settings are the Fprop ones; a 1D
+weight (or one with its own `dgrad_weight`) is re-quantized along N. With `Recipe.bf16_fprop`
+the Fprop GEMM runs on the unquantized operands.
 
 `nvfp4_ops.qdot` (the custom_vjp that training runs) and `nvfp4_ops.telemetry` (the statistics of
 those quantizations) both read this table, through `operand_quants(recipe)` and
@@ -45,7 +46,7 @@ class OperandSpec:
       name: the operand's role name, also its stochastic-rounding key slot ("fprop_x", ...).
       gemm: "fprop", "dgrad" or "wgrad".
       tensor: "x" [B, M, K], "w" [B, K, N] or "dy" [B, M, N].
-      setting: the `Recipe` field holding its `TensorQuant`.
+      setting: the `Recipe` role holding its `TensorQuant` (`Recipe.setting` resolves defaults).
       transposed: the tensor's last two axes are swapped first (the contraction axis is then last).
       rotated: the recipe's RHT (when `Recipe.wgrad_hadamard`) applies along the contraction.
       shares: the operand whose quantization this one reuses, transposed, when that one has the
@@ -68,9 +69,9 @@ OPERANDS: MappingProxyType[str, OperandSpec] = MappingProxyType(
             OperandSpec("fprop_x", "fprop", "x", "fprop_input"),
             OperandSpec("fprop_w", "fprop", "w", "fprop_weight", transposed=True),
             OperandSpec("dgrad_dy", "dgrad", "dy", "grad"),
-            OperandSpec("dgrad_w", "dgrad", "w", "fprop_weight", shares="fprop_w"),
-            OperandSpec("wgrad_x", "wgrad", "x", "fprop_input", transposed=True, rotated=True),
-            OperandSpec("wgrad_dy", "wgrad", "dy", "grad", transposed=True, rotated=True),
+            OperandSpec("dgrad_w", "dgrad", "w", "dgrad_weight", shares="fprop_w"),
+            OperandSpec("wgrad_x", "wgrad", "x", "wgrad_input", transposed=True, rotated=True),
+            OperandSpec("wgrad_dy", "wgrad", "dy", "wgrad_grad", transposed=True, rotated=True),
         )
     }
 )
@@ -105,7 +106,7 @@ class OperandQuant:
 
     Attributes:
       spec: the table row.
-      tq: its settings (the recipe's `spec.setting`).
+      tq: its settings (`recipe.setting(spec.setting)`).
       hadamard_size: size of the RHT applied before quantizing it, None for none.
       reuses: the operand whose quantization this one is (transposed), or None.
     """
@@ -135,9 +136,10 @@ def operand_quants(recipe: Recipe) -> dict[str, OperandQuant]:
     """Every table operand as `recipe` quantizes it, in table order."""
     out = {}
     for spec in OPERANDS.values():
-        tq = getattr(recipe, spec.setting)
+        tq = recipe.setting(spec.setting)
         rotate = spec.rotated and recipe.wgrad_hadamard
-        reuses = spec.shares if spec.shares is not None and same_both_ways(tq) else None
+        shared = spec.shares and recipe.setting(OPERANDS[spec.shares].setting)
+        reuses = spec.shares if shared == tq and same_both_ways(tq) else None
         out[spec.name] = OperandQuant(spec, tq, recipe.hadamard_size if rotate else None, reuses)
     return out
 

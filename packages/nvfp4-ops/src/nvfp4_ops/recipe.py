@@ -41,13 +41,23 @@ class TensorQuant:
     Attributes:
       fmt: one of `FORMATS`. "bf16" = no quantization (the operand is used as given).
       block_shape: (1, 16) or (16, 16) for "nvfp4" ((16, 16) only for the weight role), (1, 32) for
-        "mxfp4", None for FP8 (per-tensor current scaling) and "bf16".
+        "mxfp4" and "mxfp8", None for FP8 (per-tensor current scaling) and "bf16".
       rounding: "rne" or "stochastic" (FP4 formats only).
+      block_scale_rule: "max" (each block's amax maps to the format max) or, for "nvfp4",
+        "4over6" (Four Over Six: per block the better of amax -> 6 and amax -> 4 by squared
+        error, tensor scale amax / (6 * 256); `nvfp4_format.quantize`). The codes and scales are
+        standard NVFP4 either way.
+      outer_scale: "tensor" (one FP32 decode scale per tensor, the recipe's) or, for "nvfp4" in
+        1x16 blocks, "row" (one FP32 decode scale per row of the operand as it is contracted:
+        per token for Fprop activations, per feature for their Wgrad transpose, as
+        TransformerEngine's row-scaled NVFP4; `nvfp4_format.quantize(outer_scale="row")`).
     """
 
     fmt: str = "nvfp4"
     block_shape: tuple[int, int] | None = (1, 16)
     rounding: str = "rne"
+    block_scale_rule: str = "max"
+    outer_scale: str = "tensor"
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -65,6 +75,22 @@ class TensorQuant:
             raise ValueError(
                 f"rounding='stochastic' is implemented for fmt {_STOCHASTIC_FORMATS} only, "
                 f"got fmt={self.fmt!r}"
+            )
+        rules = FORMAT_OPS[self.fmt].block_scale_rules
+        if self.block_scale_rule not in rules:
+            raise ValueError(
+                f"block_scale_rule for fmt={self.fmt!r} must be one of {rules}, "
+                f"got {self.block_scale_rule!r}"
+            )
+        outer = FORMAT_OPS[self.fmt].outer_scales
+        if self.outer_scale not in outer:
+            raise ValueError(
+                f"outer_scale for fmt={self.fmt!r} must be one of {outer}, got {self.outer_scale!r}"
+            )
+        if self.outer_scale == "row" and self.is_2d:
+            raise ValueError(
+                "outer_scale='row' needs 1x16 blocks: a 16x16 tile shared by rows with different "
+                f"outer scales is no longer the same transposed, got block_shape={self.block_shape}"
             )
 
     @property
@@ -85,6 +111,23 @@ class TensorQuant:
 
 BF16 = TensorQuant("bf16", None)
 
+ROLES = ("fprop_input", "fprop_weight", "grad", "dgrad_weight", "wgrad_input", "wgrad_grad")
+"""The `Recipe` fields holding a `TensorQuant` (the last three may be None: see `DEFAULTS_TO`)."""
+
+DEFAULTS_TO = MappingProxyType(
+    {
+        "fprop_input": "fprop_input",
+        "fprop_weight": "fprop_weight",
+        "grad": "grad",
+        "dgrad_weight": "fprop_weight",
+        "wgrad_input": "fprop_input",
+        "wgrad_grad": "grad",
+    }
+)
+"""Role -> the role whose settings it takes when it is None (the first three: themselves)."""
+
+_OPTIONAL_ROLES = ("dgrad_weight", "wgrad_input", "wgrad_grad")
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -104,6 +147,12 @@ class Recipe:
         rotated and quantized for Wgrad, with the same stochastic-rounding key slots, so the
         gradients are bit-identical to those of the same recipe without the flag. Build it with
         `with_bf16_fprop()`.
+      dgrad_weight: W in Dgrad, re-quantized along N; None (default): as `fprop_weight`, whose
+        Fprop quantization Dgrad then reuses when it is 2D or per-tensor.
+      wgrad_input: x^T in Wgrad; None (default): as `fprop_input`.
+      wgrad_grad: dY^T in Wgrad; None (default): as `grad`.
+        (A field equal to the one it defaults to is stored as None, so each recipe has one
+        spelling; `compose` builds recipes whose GEMMs come from different presets.)
 
     Example:
       >>> r = Recipe(grad=TensorQuant("nvfp4", (1, 16), "stochastic"))
@@ -118,6 +167,9 @@ class Recipe:
     hadamard_size: int = 16
     name: str = "custom"
     bf16_fprop: bool = False
+    dgrad_weight: TensorQuant | None = None
+    wgrad_input: TensorQuant | None = None
+    wgrad_grad: TensorQuant | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bf16_fprop, bool):
@@ -126,37 +178,61 @@ class Recipe:
             tq = getattr(self, role)
             if not isinstance(tq, TensorQuant):
                 raise TypeError(f"Recipe.{role} must be a TensorQuant, got {type(tq).__name__}")
-        for role in ("fprop_input", "grad"):
-            if getattr(self, role).is_2d:
+        for role in _OPTIONAL_ROLES:
+            default, tq = DEFAULTS_TO[role], getattr(self, role)
+            if tq is not None and not isinstance(tq, TensorQuant):
+                raise TypeError(
+                    f"Recipe.{role} must be a TensorQuant or None, got {type(tq).__name__}"
+                )
+            if tq == getattr(self, default):
+                object.__setattr__(self, role, None)
+        for role in ("fprop_input", "grad", "wgrad_input", "wgrad_grad"):
+            if self.setting(role).is_2d:
                 raise ValueError(
                     f"Recipe.{role}: 16x16 blocks are for the weight only (activations and "
-                    f"gradients are quantized 1D along the contraction), got {getattr(self, role)}"
+                    f"gradients are quantized 1D along the contraction), got {self.setting(role)}"
                 )
+
         size = self.hadamard_size
         if not isinstance(size, int) or size < 2 or size & (size - 1):
             raise ValueError(f"hadamard_size must be a power of two >= 2, got {size!r}")
-        if self.wgrad_hadamard and not (self.fprop_input.quantized or self.grad.quantized):
+        wgrad = (self.setting("wgrad_input"), self.setting("wgrad_grad"))
+        if self.wgrad_hadamard and not any(t.quantized for t in wgrad):
             raise ValueError(
-                "wgrad_hadamard=True needs a quantized Wgrad operand (fprop_input or grad), "
-                "got both 'bf16'"
+                "wgrad_hadamard=True needs a quantized Wgrad operand (wgrad_input or wgrad_grad, "
+                "by default fprop_input and grad), got both 'bf16'"
             )
+
+    def setting(self, role: str) -> TensorQuant:
+        """The `TensorQuant` of `role` (a field name), defaults resolved.
+
+        Example:
+          >>> get_recipe("nvfp4").setting("wgrad_input") == get_recipe("nvfp4").fprop_input
+          True
+        """
+        value = getattr(self, role)
+        return getattr(self, DEFAULTS_TO[role]) if value is None else value
+
+    @property
+    def settings(self) -> tuple[TensorQuant, ...]:
+        """Every role's `TensorQuant`, defaults resolved (fprop_input, fprop_weight, grad,
+        dgrad_weight, wgrad_input, wgrad_grad)."""
+        return tuple(self.setting(role) for role in ROLES)
 
     @property
     def quantized(self) -> bool:
         """False when no role is quantized (plain `lax.dot_general`, plain autodiff)."""
-        return any(t.quantized for t in (self.fprop_input, self.fprop_weight, self.grad))
+        return any(t.quantized for t in self.settings)
 
     @property
     def needs_key(self) -> bool:
         """True when some role uses stochastic rounding (a PRNG key must then be passed)."""
-        return any(
-            t.rounding == "stochastic" for t in (self.fprop_input, self.fprop_weight, self.grad)
-        )
+        return any(t.rounding == "stochastic" for t in self.settings)
 
     @property
     def alignment(self) -> int:
         """Multiple that M, K and N are zero-padded to (blocks and Hadamard tiles)."""
-        sizes = [t.block_size for t in (self.fprop_input, self.fprop_weight, self.grad)]
+        sizes = [t.block_size for t in self.settings]
         sizes += [16 if self.fprop_weight.is_2d else 1]
         sizes += [self.hadamard_size if self.wgrad_hadamard else 1]
         return max(sizes)
@@ -174,6 +250,72 @@ class Recipe:
             return self
         return dataclasses.replace(self, bf16_fprop=True, name=f"{self.name}+bf16-fprop")
 
+    @property
+    def fprop_unquantized(self) -> bool:
+        """True when the Fprop GEMM runs on the unquantized operands (`bf16_fprop`, or both
+        Fprop roles "bf16")."""
+        return self.bf16_fprop or not (self.fprop_input.quantized or self.fprop_weight.quantized)
+
+
+def compose(fprop: Recipe, dgrad: Recipe, wgrad: Recipe, *, name: str | None = None) -> Recipe:
+    """One recipe whose Fprop, Dgrad and Wgrad GEMMs are quantized as in three recipes.
+
+    Fprop takes `fprop`'s `fprop_input`, `fprop_weight` and `bf16_fprop`; Dgrad `dgrad`'s `grad`
+    and Dgrad weight; Wgrad `wgrad`'s Wgrad input and gradient, `wgrad_hadamard` and
+    `hadamard_size` (the RHT is dropped when no Wgrad operand is quantized). Three equal recipes
+    give that recipe back, and an unquantized Fprop over one recipe R gives exactly
+    `R.with_bf16_fprop()` (the W that Dgrad reuses is then quantized in the forward as before,
+    with the same keys), so the precision schedule's rules reproduce the presets bit for bit.
+
+    Args:
+      fprop, dgrad, wgrad: the recipes each GEMM is taken from.
+      name: the label; default "<R>+bf16-fprop" for the case above, else
+        "fprop=<F>,dgrad=<D>,wgrad=<W>".
+
+    Example:
+      >>> nv, bf = get_recipe("nvfp4"), get_recipe("bf16")
+      >>> compose(bf, nv, nv) == nv.with_bf16_fprop()
+      True
+      >>> compose(nv, bf, nv).setting("grad").fmt, compose(nv, bf, nv).setting("dgrad_weight").fmt
+      ('bf16', 'bf16')
+    """
+    for what, recipe in (("fprop", fprop), ("dgrad", dgrad), ("wgrad", wgrad)):
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"compose: {what} must be a Recipe, got {type(recipe).__name__}")
+    if fprop == dgrad == wgrad:
+        return fprop if name is None else dataclasses.replace(fprop, name=name)
+    wgrad_x, wgrad_dy = wgrad.setting("wgrad_input"), wgrad.setting("wgrad_grad")
+    hadamard = wgrad.wgrad_hadamard and (wgrad_x.quantized or wgrad_dy.quantized)
+    backward = {
+        "grad": dgrad.grad,
+        "wgrad_grad": wgrad_dy,
+        "wgrad_hadamard": hadamard,
+        "hadamard_size": wgrad.hadamard_size,
+    }
+    if fprop.fprop_unquantized and dgrad == wgrad and dgrad.quantized:
+        late = dgrad.with_bf16_fprop()
+        return late if name is None else dataclasses.replace(late, name=name)
+    if fprop.fprop_unquantized:
+        # The Fprop settings only serve the backward then: they take the roles that reuse them.
+        fields = {
+            "fprop_input": wgrad_x,
+            "fprop_weight": dgrad.setting("dgrad_weight"),
+            "bf16_fprop": True,
+        }
+    else:
+        fields = {
+            "fprop_input": fprop.fprop_input,
+            "fprop_weight": fprop.fprop_weight,
+            "dgrad_weight": dgrad.setting("dgrad_weight"),
+            "wgrad_input": wgrad_x,
+            "bf16_fprop": False,
+        }
+    label = name or f"fprop={fprop.name},dgrad={dgrad.name},wgrad={wgrad.name}"
+    out = Recipe(**fields, **backward, name=label)
+    if not out.quantized:
+        return dataclasses.replace(RECIPES["bf16"], name=name or "bf16")
+    return out
+
 
 _NV_X = TensorQuant("nvfp4", (1, 16), "rne")
 _NV_W2D = TensorQuant("nvfp4", (16, 16), "rne")
@@ -182,6 +324,11 @@ _NV_G_SR = TensorQuant("nvfp4", (1, 16), "stochastic")
 _NV_G_RNE = TensorQuant("nvfp4", (1, 16), "rne")
 _MX_RNE = TensorQuant("mxfp4", (1, 32), "rne")
 _MX_SR = TensorQuant("mxfp4", (1, 32), "stochastic")
+_MX8 = TensorQuant("mxfp8", (1, 32), "rne")
+_46_X = TensorQuant("nvfp4", (1, 16), "rne", block_scale_rule="4over6")
+_46_W2D = TensorQuant("nvfp4", (16, 16), "rne", block_scale_rule="4over6")
+_46_G_SR = TensorQuant("nvfp4", (1, 16), "stochastic", block_scale_rule="4over6")
+_ROW_X = TensorQuant("nvfp4", (1, 16), "rne", outer_scale="row")
 
 RECIPES: MappingProxyType[str, Recipe] = MappingProxyType(
     {
@@ -190,6 +337,18 @@ RECIPES: MappingProxyType[str, Recipe] = MappingProxyType(
         "nvfp4-no-sr": Recipe(_NV_X, _NV_W2D, _NV_G_RNE, True, name="nvfp4-no-sr"),
         "nvfp4-no-2d": Recipe(_NV_X, _NV_W1D, _NV_G_SR, True, name="nvfp4-no-2d"),
         "nvfp4-naive": Recipe(_NV_X, _NV_W1D, _NV_G_RNE, False, name="nvfp4-naive"),
+        "nvfp4-4over6": Recipe(_46_X, _46_W2D, _46_G_SR, name="nvfp4-4over6"),
+        "nvfp4-fwd-mxfp8-bwd": Recipe(
+            _NV_X,
+            _NV_W2D,
+            grad=_MX8,
+            dgrad_weight=_MX8,
+            wgrad_input=_MX8,
+            wgrad_grad=_MX8,
+            wgrad_hadamard=False,
+            name="nvfp4-fwd-mxfp8-bwd",
+        ),
+        "nvfp4-per-token": Recipe(_ROW_X, _NV_W2D, _NV_G_SR, name="nvfp4-per-token"),
         "mxfp4": Recipe(_MX_RNE, _MX_RNE, _MX_SR, True, name="mxfp4"),
         "fp8": Recipe(
             TensorQuant("fp8_e4m3", None),
@@ -201,9 +360,14 @@ RECIPES: MappingProxyType[str, Recipe] = MappingProxyType(
         "bf16": Recipe(BF16, BF16, BF16, False, name="bf16"),
     }
 )
-"""Presets. "nvfp4" is the paper's recipe (TE's `NVFP4BlockScaling` default); "mxfp4" uses the
-OCP scale rule with the same stochastic rounding and RHT; "fp8" is per-tensor current scaling
-(E4M3 forward, E5M2 gradients); "bf16" quantizes nothing."""
+"""Presets. "nvfp4" is the paper's recipe (TE's `NVFP4BlockScaling` default); the "nvfp4-no-*"
+ablations and "nvfp4-naive" drop parts of it. Variants of the full recipe: "nvfp4-4over6" (every
+role with Four Over Six block scales, RHT and SR gradients kept), "nvfp4-fwd-mxfp8-bwd" (NVFP4
+Fprop; Dgrad and Wgrad in MXFP8 with TE's rounded-up E8M0 scales, no RHT, as TE's MXFP8 recipe),
+"nvfp4-per-token" (the activations with one FP32 outer scale per row: per token in Fprop, per
+feature of x^T in Wgrad, as TransformerEngine's per-token NVFP4). "mxfp4" uses the OCP scale rule
+with the same stochastic rounding and RHT; "fp8" is per-tensor current scaling (E4M3 forward,
+E5M2 gradients); "bf16" quantizes nothing."""
 
 
 def get_recipe(name: str) -> Recipe:

@@ -123,6 +123,22 @@ def te_unsupported(recipe: Recipe, batch: int = 1, dtype: np.dtype | None = None
     for role, tq in roles.items():
         if tq.fmt != "nvfp4":
             return f"TE's NVFP4BlockScaling quantizes every role to NVFP4, {role} is {tq.fmt!r}"
+        if tq.block_scale_rule != "max":
+            return (
+                f"TE's JAX NVFP4 scales blocks by their amax; {role} uses "
+                f"block_scale_rule={tq.block_scale_rule!r} (TE ships Four Over Six for PyTorch only)"
+            )
+        if tq.outer_scale != "tensor":
+            return (
+                f"TE's JAX NVFP4BlockScaling has one outer scale per tensor; {role} uses "
+                f"outer_scale={tq.outer_scale!r}"
+            )
+    separate = [r for r in ("dgrad_weight", "wgrad_input", "wgrad_grad") if getattr(recipe, r)]
+    if separate:
+        return (
+            f"TE quantizes each tensor's two orientations alike; this recipe sets "
+            f"{', '.join(separate)} apart from the Fprop roles"
+        )
     if recipe.fprop_input.rounding != "rne" or recipe.fprop_weight.rounding != "rne":
         return (
             "TE rounds activations and weights to nearest; this recipe rounds them stochastically"
