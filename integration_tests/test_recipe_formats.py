@@ -3,7 +3,8 @@
 nvfp4-export never imports nvfp4-ops (it reads recipe names from checkpoints), so its table of
 what each recipe preset does to the forward weight is a copy; this test is what keeps the two in
 step: every preset of `nvfp4_ops.RECIPES` is either listed with the same weight format, block
-shape and input quantization, or refused by name (FP8), and export lists no recipe ops lacks.
+shape, block scale rule and input quantization (and its outer scale), or refused by name (FP8),
+and export lists no recipe ops lacks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def test_each_recipe_weight_format_matches_the_training_recipe(name):
     if wf.fmt != BF16:
         assert FORMATS[wf.fmt].block_size == weight.block_size, name
     assert wf.quantized_input == recipe.fprop_input.quantized, name
+    assert wf.block_scale_rule == weight.block_scale_rule, name  # 4over6 weights: own scales
+    assert wf.input_outer_scale == recipe.fprop_input.outer_scale, name  # per token: weight-only
     assert not recipe.bf16_fprop, name  # presets quantize the forward GEMM as listed
 
 

@@ -211,3 +211,39 @@ def test_mxfp4_run_exports_mxfp4_pack_quantized(tmp_path):
     with pytest.raises(ExportError, match="MXFP4"):
         export_hf(run, tmp_path / "mo", layout="modelopt")
     assert not Path(tmp_path / "mo").exists()
+
+
+def test_per_token_runs_export_weight_only_never_w4a4(tmp_path):
+    """Per-token activation scales have no NVFP4 W4A4 layout: refused, --weight-only works."""
+    run = write_run(tmp_path / "run", precision={"recipe": "nvfp4-per-token"})
+    for layout in ("modelopt", "compressed-tensors"):
+        with pytest.raises(ExportError, match=r"one outer scale per token.*--weight-only"):
+            export_hf(run, tmp_path / layout, layout=layout)
+        assert not (tmp_path / layout).exists()
+    done = export_hf(run, tmp_path / "wo", layout="compressed-tensors", weight_only=True)
+    assert not done.plan.w4a4
+    assert layout_problems(load_export(done.out_dir)) == []
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd"])
+def test_recipe_variants_export_standard_nvfp4_w4a4(tmp_path, recipe):
+    """Four Over Six and the MXFP8 backward leave the forward weights standard NVFP4 (16x16)."""
+    run = write_run(tmp_path / "run", precision={"recipe": recipe})
+    done = export_hf(run, tmp_path / "ct", layout="compressed-tensors")
+    assert done.plan.w4a4 and done.plan.fmt == "nvfp4"
+    got = load_export(done.out_dir)
+    assert layout_problems(got) == []
+    standard = write_run(tmp_path / "std", precision={"recipe": "nvfp4"})  # same weights
+    want = load_export(
+        export_hf(standard, tmp_path / "ct-std", layout="compressed-tensors").out_dir
+    )
+    name = Q + ".weight_global_scale"
+    if recipe == "nvfp4-4over6":  # amax / (6 * 256) instead of amax / (6 * 448), 4/6 blocks
+        np.testing.assert_allclose(want.tensors[name] / got.tensors[name], 448 / 256, rtol=1e-6)
+        assert (
+            got.tensors[Q + ".weight_packed"].tobytes()
+            != want.tensors[Q + ".weight_packed"].tobytes()
+        )
+    else:  # the forward weights are the full recipe's
+        for suffix in (".weight_global_scale", ".weight_packed", ".weight_scale"):
+            assert got.tensors[Q + suffix].tobytes() == want.tensors[Q + suffix].tobytes()

@@ -59,7 +59,8 @@ class ExportFormat:
         modelopt_algos: ModelOpt `quant_algo` (W4A4, weight-only), None without that layout.
         onnx_dq: the ONNX "dq" form (opset 23 DequantizeLinear) can hold it.
         nan_scale_byte: a block-scale byte that means NaN (E8M0 255), None if none.
-        quantize: (W^T float32 [out, in], NVFP4 block shape or None) -> `Quantized`.
+        quantize: (W^T float32 [out, in], NVFP4 block shape or None, block scale rule "max" or
+            NVFP4's "4over6") -> `Quantized`.
         dequantize: `ExportedLinear` -> float32 [out, in].
         quantize_input: (x float32 [N, K], fixed amax or None) -> x quantized and dequantized.
         scale_values: () -> float32 [256], the value of each block-scale byte.
@@ -78,19 +79,25 @@ class ExportFormat:
     modelopt_algos: tuple[str, str] | None
     onnx_dq: bool
     nan_scale_byte: int | None
-    quantize: Callable[[np.ndarray, tuple[int, int] | None], Quantized]
+    quantize: Callable[[np.ndarray, tuple[int, int] | None, str], Quantized]
     dequantize: Callable[[ExportedLinear], np.ndarray]
     quantize_input: Callable[[np.ndarray, np.float32 | None], np.ndarray]
     scale_values: Callable[[], np.ndarray]
 
 
-def _quantize_nvfp4(w_t: np.ndarray, block_shape: tuple[int, int] | None) -> Quantized:
+def _quantize_nvfp4(
+    w_t: np.ndarray, block_shape: tuple[int, int] | None, block_scale_rule: str
+) -> Quantized:
     amax = np.float32(np.max(np.abs(w_t))) if w_t.size else np.float32(0)
-    q = nvfp4_format.quantize(w_t, block_shape, global_amax=amax)
+    q = nvfp4_format.quantize(w_t, block_shape, global_amax=amax, block_scale_rule=block_scale_rule)
     return q.packed, q.block_scales, amax
 
 
-def _quantize_mxfp4(w_t: np.ndarray, block_shape: tuple[int, int] | None) -> Quantized:
+def _quantize_mxfp4(
+    w_t: np.ndarray, block_shape: tuple[int, int] | None, block_scale_rule: str
+) -> Quantized:
+    if block_scale_rule != "max":
+        raise ValueError(f"MXFP4 has no block_scale_rule {block_scale_rule!r}")
     q = nvfp4_format.quantize_mxfp4(w_t, MXFP4_SCALE_RULE)
     return q.packed, q.scales, None
 

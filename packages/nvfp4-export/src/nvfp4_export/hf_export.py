@@ -38,7 +38,7 @@ from nvfp4_export.layouts import (
 from nvfp4_export.linears import ExportedLinear, export_linear
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
-from nvfp4_export.policy import linear_recipes
+from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
@@ -116,6 +116,30 @@ def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...
         "vLLM runs it W4A16 (Marlin). Pass --calibrate N for W4A4, or --weight-only to say "
         "weight-only is meant",
     )
+
+
+def _refuse_per_token_w4a4(plan: LayoutPlan, recipes: dict[str, str]) -> None:
+    """A W4A4 export of linears trained with per-token activation scales is an error.
+
+    Their weights are standard NVFP4, but compressed-tensors' and ModelOpt's NVFP4 W4A4 layouts
+    (and so vLLM, SGLang, TensorRT-LLM and transformers) quantize activations with ONE static
+    input global scale per tensor: the served model would compute with other activation
+    numerics than it was trained with.
+
+    Raises:
+        ExportError: naming the first such linear and the way out (--weight-only).
+    """
+    if not plan.w4a4:
+        return
+    for path, recipe in recipes.items():
+        if weight_format(recipe, path).input_outer_scale != "tensor":
+            raise ExportError(
+                f"linear {path!r} was trained with recipe {recipe!r}, whose activations have "
+                "one outer scale per token; no server's NVFP4 W4A4 layout holds per-token "
+                "activation scales (they apply one static input scale per tensor), so a W4A4 "
+                "export would not compute what the model trained with. Export --weight-only "
+                "(W4A16: the weights are standard NVFP4 and load everywhere)"
+            )
 
 
 def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan) -> dict:
@@ -205,6 +229,7 @@ def export_hf(
         kernel = ckpt.params[f"{path}.kernel"]
         linears += export_linear(spec, path, kernel, recipes[path], amax.get(path))
     plan = plan_layout(layout, linears, weight_only=weight_only)
+    _refuse_per_token_w4a4(plan, recipes)
     notes = _weight_only_fallback(plan, weight_only)  # before writing anything
     provenance = _provenance(ckpt, spec, recipes, amax, source, plan)
     with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:

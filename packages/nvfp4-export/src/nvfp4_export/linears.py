@@ -40,6 +40,8 @@ class ExportedLinear:
         input_amax: max |x| at the linear's input (W4A4 activation scale), or None.
         stored_decode_scale: NVFP4 read back from a ModelOpt file: the stored `weight_scale_2`
             (used as is instead of recomputing it from `weight_amax`).
+        block_scale_rule: NVFP4: "max", or "4over6" when the recipe trained with Four Over Six
+            (its global scale is amax / (6 * 256); codes and scales are standard NVFP4).
     """
 
     name: str
@@ -51,18 +53,22 @@ class ExportedLinear:
     weight_amax: np.float32 | None = None
     input_amax: float | None = None
     stored_decode_scale: np.float32 | None = None
+    block_scale_rule: str = "max"
 
     @property
     def global_decode_scale(self) -> np.float32:
         """NVFP4: the shared DECODE scale, float32 1 / s_enc (~ amax / (6 * 448))."""
         if self.stored_decode_scale is not None:
             return np.float32(self.stored_decode_scale)
-        return np.float32(nvfp4_format.global_decode_scale(np.float32(self.weight_amax)))
+        amax, rule = np.float32(self.weight_amax), self.block_scale_rule
+        return np.float32(nvfp4_format.global_decode_scale(amax, block_scale_rule=rule))
 
     @property
     def global_encode_scale(self) -> np.float32:
-        """NVFP4: the shared ENCODE scale s_enc = min(6 * 448 / amax, FLT_MAX), float32."""
-        return np.float32(nvfp4_format.global_encode_scale(np.float32(self.weight_amax)))
+        """NVFP4: the shared ENCODE scale s_enc = min(6 * 448 / amax, FLT_MAX), float32
+        (6 * 256 with Four Over Six)."""
+        amax, rule = np.float32(self.weight_amax), self.block_scale_rule
+        return np.float32(nvfp4_format.global_encode_scale(amax, block_scale_rule=rule))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,7 +109,7 @@ def _quantized_parts(
     w_t: np.ndarray, wf: WeightFormat, source: str
 ) -> tuple[np.ndarray, np.ndarray, np.float32 | None]:
     try:
-        return FORMATS[wf.fmt].quantize(w_t, wf.block_shape)
+        return FORMATS[wf.fmt].quantize(w_t, wf.block_shape, wf.block_scale_rule)
     except ValueError as err:
         raise ExportError(
             f"linear {source!r} [out, in]={w_t.shape} cannot be quantized: {err}"
@@ -139,6 +145,7 @@ def export_linear(
             scales=np.ascontiguousarray(scales[rows]),
             weight_amax=weight_amax,
             input_amax=amax,
+            block_scale_rule=wf.block_scale_rule,
         )
         for name, rows in parts
     ]

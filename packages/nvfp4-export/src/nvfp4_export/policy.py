@@ -30,11 +30,18 @@ class WeightFormat:
         fmt: "nvfp4", "mxfp4" or "bf16" (not quantized).
         block_shape: (16, 16) or (1, 16) for NVFP4 (blocks along the input axis of W^T); None else.
         quantized_input: the recipe quantizes the activations too (W4A4).
+        input_outer_scale: "tensor", or "row" when the recipe gave the activations one outer
+            scale per token ("nvfp4-per-token"): no server's NVFP4 W4A4 layout holds those (they
+            apply one static input global scale per tensor), so such linears export weight-only.
+        block_scale_rule: "max", or "4over6" for Four Over Six weights (standard NVFP4 codes and
+            scales under the global scale amax / (6 * 256); servers read them unchanged).
     """
 
     fmt: str
     block_shape: tuple[int, int] | None = None
     quantized_input: bool = False
+    input_outer_scale: str = "tensor"
+    block_scale_rule: str = "max"
 
 
 RECIPE_WEIGHT_FORMATS: dict[str, WeightFormat] = {
@@ -43,6 +50,9 @@ RECIPE_WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "nvfp4-no-sr": WeightFormat("nvfp4", (16, 16), True),
     "nvfp4-no-2d": WeightFormat("nvfp4", (1, 16), True),
     "nvfp4-naive": WeightFormat("nvfp4", (1, 16), True),
+    "nvfp4-4over6": WeightFormat("nvfp4", (16, 16), True, block_scale_rule="4over6"),
+    "nvfp4-fwd-mxfp8-bwd": WeightFormat("nvfp4", (16, 16), True),
+    "nvfp4-per-token": WeightFormat("nvfp4", (16, 16), True, input_outer_scale="row"),
     "mxfp4": WeightFormat("mxfp4", None, True),
     "bf16": WeightFormat("bf16"),
 }
