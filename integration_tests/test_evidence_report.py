@@ -51,6 +51,32 @@ def test_paired_gaps_mean_and_sample_std(tmp_path):
     assert "| `nvfp4` | full recipe | 3 |" in table and "+1.00% ± 2.00" in table
 
 
+def test_variants_are_paired_against_the_full_recipe_with_a_t_interval(tmp_path):
+    full = {0: 2.0, 1: 2.2, 2: 1.8}
+    diffs = {0: -0.010, 1: -0.012, 2: -0.008}  # consistent: the interval excludes 0
+    noisy = {0: 0.02, 1: -0.03, 2: 0.005}
+    for seed in full:
+        _write_run(tmp_path, "bf16", seed, {8: full[seed] * 0.99})
+        _write_run(tmp_path, "nvfp4", seed, {8: full[seed]})
+        _write_run(tmp_path, "nvfp4-4over6", seed, {8: full[seed] * (1 + diffs[seed])})
+        _write_run(tmp_path, "nvfp4-per-token", seed, {8: full[seed] * (1 + noisy[seed])})
+    names = ["bf16", "nvfp4", "nvfp4-4over6", "nvfp4-per-token"]
+    rows, _ = evidence_report.collect(tmp_path, names, dict.fromkeys(names, [0, 1, 2]), 8, None)
+    by_name = {r["name"]: r for r in rows}
+    assert "vs_nvfp4" not in by_name["nvfp4"] and "vs_nvfp4" not in by_name["bf16"]
+    consistent = by_name["nvfp4-4over6"]["vs_nvfp4"]
+    assert consistent["mean"] == pytest.approx(-0.010)
+    assert consistent["std"] == pytest.approx(0.002)
+    half = 4.303 * 0.002 / math.sqrt(3)  # Student t, 2 degrees of freedom
+    assert consistent["ci95"] == pytest.approx([-0.010 - half, -0.010 + half])
+    assert consistent["resolved"] is True
+    assert by_name["nvfp4-per-token"]["vs_nvfp4"]["resolved"] is False
+    assert by_name["nvfp4"]["vs_bf16"]["mean"] == pytest.approx(1 / 0.99 - 1)
+    table = evidence_report.paired_table(rows)
+    assert "| `nvfp4-4over6` | 3 | -1.00%, -1.20%, -0.80% | -1.00% [" in table
+    assert "(resolved)" in table and "(not resolved)" in table
+
+
 def test_a_nonfinite_loss_marks_the_variant_diverged(tmp_path):
     _write_run(tmp_path, "bf16", 0, {4: 3.0, 8: 2.0})
     _write_run(tmp_path, "nvfp4-naive", 0, {4: math.inf, 8: 2.5})

@@ -16,6 +16,12 @@ from typing import Any
 import numpy as np
 
 BASELINE = "bf16"
+FULL_RECIPE = "nvfp4"
+"""Variants are also paired against the full recipe: same seeds, so same data and start."""
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+"""Student-t 97.5% quantiles by degrees of freedom (seeds - 1): the half-width of a 95%
+confidence interval of a paired mean difference is T_975[n - 1] * std / sqrt(n)."""
 
 
 def run_dir_name(variant: str, seed: int) -> str:
@@ -55,11 +61,29 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return float(np.mean(values)), std
 
 
+def paired_difference(
+    curves: Mapping[int, Mapping[int, float]], other: Mapping[int, Mapping[int, float]], step: int
+) -> dict[str, Any]:
+    """The relative difference (a - b) / b at `step` over the seeds both finished: per seed, mean,
+    std, the 95% confidence interval of the mean (Student t) and whether it excludes 0."""
+    seeds = [s for s in sorted(curves) if s in other and step in curves[s] and step in other[s]]
+    diffs = {s: (curves[s][step] - other[s][step]) / other[s][step] for s in seeds}
+    mean, std = _mean_std(list(diffs.values()))
+    half = None if std is None else T_975[len(seeds) - 1] * std / math.sqrt(len(seeds))
+    return {
+        "per_seed": {str(s): d for s, d in diffs.items()},
+        "mean": mean,
+        "std": std,
+        "ci95": None if half is None else [mean - half, mean + half],
+        "resolved": None if half is None else bool(abs(mean) > half),
+    }
+
+
 def variant_row(
     name: str, curves: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
-    steps: int, stable_step: int | None,
+    steps: int, stable_step: int | None, full_recipe: Mapping[int, Mapping[int, float]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One table row: `curves` and `baseline` map seed -> {step: val_loss}."""
+    """One table row: `curves`, `baseline` (BF16) and `full_recipe` map seed -> {step: val_loss}."""
     seeds = sorted(curves)
     finals = [curves[s][steps] for s in seeds]
     paired = [s for s in seeds if s in baseline]
@@ -77,7 +101,10 @@ def variant_row(
         "rel_gap_std": gap_std,
         "rel_gap_sem": None if gap_std is None else gap_std / math.sqrt(len(gaps)),
         "diverged": any(not math.isfinite(v) for c in curves.values() for v in c.values()),
+        "vs_bf16": paired_difference(curves, baseline, steps),
     }
+    if full_recipe and name not in (BASELINE, FULL_RECIPE):
+        row["vs_nvfp4"] = paired_difference(curves, full_recipe, steps)
     if stable_step is not None:
         stable = [
             (curves[s][stable_step] - baseline[s][stable_step]) / baseline[s][stable_step]
@@ -98,8 +125,10 @@ def collect(
     for variant in variants:
         found = {s: finished_curve(runs_dir, variant, s, steps) for s in seeds[variant]}
         curves[variant] = {s: c for s, c in found.items() if c is not None}
-    baseline = curves.get(BASELINE, {})
-    rows = [variant_row(v, curves[v], baseline, steps, stable_step) for v in variants if curves[v]]
+    baseline, full = curves.get(BASELINE, {}), curves.get(FULL_RECIPE, {})
+    rows = [
+        variant_row(v, curves[v], baseline, steps, stable_step, full) for v in variants if curves[v]
+    ]
     return rows, curves
 
 
@@ -123,6 +152,34 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], descriptions: Mapping[str,
             f"| `{r['name']}` | {descriptions.get(r['name'], '')} | {len(r['seeds'])} | {loss} | "
             f"{_pct(r['rel_gap_to_bf16'], r['rel_gap_std'])} | "
             f"{_pct(r.get('rel_gap_stable'), r.get('rel_gap_stable_std'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _interval(d: Mapping[str, Any]) -> str:
+    if d["ci95"] is None:
+        return _pct(d["mean"])
+    lo, hi = d["ci95"]
+    verdict = "resolved" if d["resolved"] else "not resolved"
+    return f"{_pct(d['mean'])} [{100 * lo:+.2f}, {100 * hi:+.2f}] ({verdict})"
+
+
+def paired_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Each variant paired against the full recipe and BF16 on the same seeds: per-seed
+    differences and the mean with its 95% confidence interval (empty if no row has pairs)."""
+    rows = [r for r in rows if "vs_nvfp4" in r and r["vs_nvfp4"]["per_seed"]]
+    if not rows:
+        return ""
+    lines = [
+        f"| variant | seeds | vs `{FULL_RECIPE}` per seed | vs `{FULL_RECIPE}`: mean [95% CI] | "
+        f"vs `{BASELINE}`: mean [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        per_seed = ", ".join(_pct(v) for v in r["vs_nvfp4"]["per_seed"].values())
+        lines.append(
+            f"| `{r['name']}` | {len(r['vs_nvfp4']['per_seed'])} | {per_seed} | "
+            f"{_interval(r['vs_nvfp4'])} | {_interval(r['vs_bf16'])} |"
         )
     return "\n".join(lines) + "\n"
 

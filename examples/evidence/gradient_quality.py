@@ -60,6 +60,9 @@ RECIPE_NAMES = (
     "nvfp4-no-rht",
     "nvfp4-no-2d",
     "nvfp4-naive",
+    "nvfp4-4over6",
+    "nvfp4-fwd-mxfp8-bwd",
+    "nvfp4-per-token",
     "mxfp4",
     "fp8",
 )
@@ -136,14 +139,17 @@ def _quantized_vjp(x, w, dy, recipe, key):
 
 
 def _fake_quant(t: jax.Array, tq: nvfp4_ops.TensorQuant) -> jax.Array:
-    return nvfp4_ops.fake_quantize(t, tq.fmt, tq.block_shape, "rne")
+    return nvfp4_ops.fake_quantize(
+        t, tq.fmt, tq.block_shape, "rne",
+        block_scale_rule=tq.block_scale_rule, outer_scale=tq.outer_scale,
+    )  # fmt: skip
 
 
 def weight_consistency(w: jax.Array, recipe: nvfp4_ops.Recipe) -> jax.Array:
-    """||Q_fprop(W) - Q_dgrad(W)^T|| / ||W||: W quantized along K versus along N (RNE)."""
-    tq = recipe.fprop_weight
-    q_fprop = _fake_quant(w.T, tq).T  # blocks along K, as Fprop's W^T
-    q_dgrad = _fake_quant(w, tq)  # blocks along N, as a re-quantized Dgrad W
+    """||Q_fprop(W) - Q_dgrad(W)^T|| / ||W||: W quantized along K (the Fprop settings) versus
+    along N (the Dgrad settings), RNE."""
+    q_fprop = _fake_quant(w.T, recipe.fprop_weight).T  # blocks along K, as Fprop's W^T
+    q_dgrad = _fake_quant(w, recipe.setting("dgrad_weight"))  # blocks along N, as Dgrad's W
     return jnp.linalg.norm(q_fprop - q_dgrad) / jnp.linalg.norm(w)
 
 
@@ -155,7 +161,8 @@ def measure_gemms(x, w, dy, keys_CxD, recipe: nvfp4_ops.Recipe) -> dict[str, Any
         "dgrad": jnp.dot(dy, w.T, precision=HIGHEST),
         "wgrad": jnp.dot(x.T, dy, precision=HIGHEST),
     }
-    exact_dy = dataclasses.replace(recipe, grad=nvfp4_ops.TensorQuant("bf16", None))
+    bf16 = nvfp4_ops.TensorQuant("bf16", None)
+    exact_dy = dataclasses.replace(recipe, grad=bf16, wgrad_grad=None)  # dY unquantized in both
     _, *exact = _quantized_vjp(x, w, dy, exact_dy, keys_CxD[0, 0])
 
     def chunk(sums, keys_D):

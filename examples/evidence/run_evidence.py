@@ -37,6 +37,7 @@ from evidence_report import (  # noqa: E402
     cross_eval_table,
     finished_curve,
     markdown_table,
+    paired_table,
     plot_curves,
     read_rows,
     run_dir_name,
@@ -85,8 +86,22 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
         f"the full recipe, forward GEMMs in BF16 from {LATE_BF16_FROM:.0%} of the steps",
         ["precision.recipe=nvfp4", f"precision.bf16_forward_from={LATE_BF16_FROM}"],
     ),
+    "nvfp4-4over6": (
+        "the full recipe with Four Over Six block scales (amax -> 6 or 4 per block, by MSE)",
+        ["precision.recipe=nvfp4-4over6"],
+    ),
+    "nvfp4-fwd-mxfp8-bwd": (
+        "the full recipe's NVFP4 forward; Dgrad and Wgrad in MXFP8 (no RHT, no SR)",
+        ["precision.recipe=nvfp4-fwd-mxfp8-bwd"],
+    ),
+    "nvfp4-per-token": (
+        "the full recipe with one FP32 outer scale per token for the activations",
+        ["precision.recipe=nvfp4-per-token"],
+    ),
 }
-MAIN_VARIANTS = ("bf16", "nvfp4", "nvfp4-late-bf16")
+MAIN_VARIANTS = (
+    "bf16", "nvfp4", "nvfp4-late-bf16", "nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd", "nvfp4-per-token",
+)  # fmt: skip
 """The variants that get `--seeds` seeds (the others get `--ablation-seeds`)."""
 
 GPU_SCALE = [
@@ -249,6 +264,7 @@ def write_outputs(args: argparse.Namespace, steps: int) -> list[dict]:
     add_cross_eval(args, rows, steps)
     (out_dir / "evidence.json").write_text(json.dumps(rows, indent=1) + "\n")
     table = markdown_table(rows, {v: d for v, (d, _) in VARIANTS.items()})
+    table += "\n" + paired_table(rows)
     table += "\n" + cross_eval_table(rows)
     (out / "table.md").write_text(table)
     print(table)
