@@ -35,7 +35,8 @@ from nvfp4_format.safetensors_file import (
 )
 from nvfp4_train.errors import RunError
 from nvfp4_train.model import ModelConfig
-from nvfp4_train.stacking import RUN_KEY
+from nvfp4_train.stacking import is_stacked, layer_paths
+from nvfp4_train.tree_paths import key_names
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -230,24 +231,19 @@ def _leaf_reader(
 ) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """The callback of one parameter leaf: a float32 buffer of the requested shard, filled in
     place (a stacked leaf layer by layer along its leading axis)."""
-    stacked = len(path) > 1 and path[0] == "layers" and RUN_KEY.fullmatch(path[1])
+    stacked, layers = is_stacked(path), layer_paths(path)
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
         out = _aligned_empty(tuple(s.stop - s.start for s in index))
         if not stacked:
-            _fill(reader, out, table[".".join(path)], index)
+            _fill(reader, out, table[layers[0]], index)
             return out
-        first, rest = int(stacked.group(1)), ".".join(path[2:])
         for j, layer in enumerate(range(index[0].start, index[0].stop)):
-            _fill(reader, out[j], table[f"layers.{first + layer}.{rest}"], index[1:])
+            _fill(reader, out[j], table[layers[layer]], index[1:])
         return out
 
     return read
-
-
-def _names(key_path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
 
 
 def load_hf_params(
@@ -280,7 +276,7 @@ def load_hf_params(
     leaves = []
     for (key_path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
         shape = tuple(leaf.shape)
-        read = _leaf_reader(reader, table, _names(key_path), shape)
+        read = _leaf_reader(reader, table, key_names(key_path), shape)
         leaves.append(jax.make_array_from_callback(shape, sharding, read))
     params = jax.tree_util.tree_unflatten(treedef, leaves)
     used = {name for source in table.values() for name, _ in source.parts}
@@ -295,11 +291,7 @@ def _canonical_shapes(abstract_params: Any) -> dict[str, tuple[int, ...]]:
     """Canonical dotted path -> shape of one layer's parameter."""
     shapes = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-        path = _names(key_path)
-        if len(path) > 1 and path[0] == "layers" and RUN_KEY.fullmatch(path[1]):
-            first, last = map(int, RUN_KEY.fullmatch(path[1]).groups())
-            for i in range(first, last + 1):
-                shapes[".".join(("layers", str(i), *path[2:]))] = tuple(leaf.shape[1:])
-        else:
-            shapes[".".join(path)] = tuple(leaf.shape)
+        path = key_names(key_path)
+        shape = tuple(leaf.shape[1:] if is_stacked(path) else leaf.shape)
+        shapes.update(dict.fromkeys(layer_paths(path), shape))
     return shapes

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_train.stacking import is_stacked
+from nvfp4_train.tree_paths import key_names
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -120,29 +121,17 @@ def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:
     return _fit(rule, shape, mesh)
 
 
-def _key_names(key_path) -> tuple[str, ...]:
-    names = []
-    for k in key_path:
-        name = getattr(k, "key", None)
-        if name is None:
-            name = getattr(k, "name", None)
-        if name is None:
-            name = getattr(k, "idx", None)
-        names.append(str(name))
-    return tuple(names)
-
-
 def tree_shardings(tree: Any, params: Any, mesh: Mesh) -> Any:
     """NamedShardings for `tree` (params, a train state, ...): a leaf whose key path ends with a
     parameter's path and has its shape gets that parameter's spec (so Adam's `mu`/`nu` follow the
     parameters); every other leaf (counters, scalars) is replicated."""
     by_path = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = _key_names(key_path)
+        names = key_names(key_path)
         by_path[names] = (tuple(leaf.shape), param_spec(names, leaf.shape, mesh))
 
     def sharding(key_path, leaf) -> NamedSharding:
-        names = _key_names(key_path)
+        names = key_names(key_path)
         for start in range(len(names)):
             match = by_path.get(names[start:])
             if match is not None and match[0] == tuple(getattr(leaf, "shape", ())):

@@ -56,6 +56,27 @@ def is_stacked(path: Sequence[str]) -> bool:
     )
 
 
+def layer_paths(path: Sequence[str]) -> tuple[str, ...]:
+    """The dotted per-layer ("canonical") paths that a stored parameter path holds: itself for a
+    block stored alone, one per block, in the order of the leading layer axis, for a stacked one.
+
+    Example:
+        >>> layer_paths(("layers", "1-3", "mlp", "down", "kernel"))
+        ('layers.1.mlp.down.kernel', 'layers.2.mlp.down.kernel', 'layers.3.mlp.down.kernel')
+        >>> layer_paths(("layers", "0", "attn_norm", "scale"))
+        ('layers.0.attn_norm.scale',)
+    """
+    path = tuple(path)
+    for i in range(len(path) - 1):
+        run = RUN_KEY.fullmatch(path[i + 1]) if path[i] == "layers" else None
+        if run:
+            first, last = int(run.group(1)), int(run.group(2))
+            return tuple(
+                ".".join((*path[: i + 1], str(j), *path[i + 2 :])) for j in range(first, last + 1)
+            )
+    return (".".join(path),)
+
+
 def runs_of(signatures: Sequence[Hashable], min_length: int = 2) -> tuple[tuple[int, int], ...]:
     """[start, stop) of every maximal run of equal consecutive `signatures` of >= `min_length`."""
     runs, start = [], 0
