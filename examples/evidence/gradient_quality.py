@@ -47,12 +47,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import nvfp4_ops
-from nvfp4_ops.telemetry import gemm_operand_stats
-from nvfp4_train import Checkpoints, load_config, make_datasets
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.run import load_run_config
-from nvfp4_train.step import init_state, with_vocab_size
-from nvfp4_train.telemetry import capture_linear_operands
+from nvfp4_ops import gemm_operand_stats
+from nvfp4_train import (
+    Checkpoints,
+    abstract_state,
+    capture_linear_operands,
+    init_state,
+    load_config,
+    load_run_config,
+    make_datasets,
+    with_vocab_size,
+)
 
 RECIPE_NAMES = (
     "nvfp4",
@@ -303,7 +308,7 @@ HOW_MEASURED = """\
 How measured: `{command}`. Operands x (linear input), w (kernel) and dy (gradient of the mean
 token cross-entropy w.r.t. the linear's output) of every block linear ({n_linears} per source:
 {shapes}) of a BF16 model on one fixed batch of {tokens} tokens ({batch}) of the built-in data,
-captured with `nvfp4_train.telemetry.capture_linear_operands`, then cast to float32. The reference
+captured with `nvfp4_train.capture_linear_operands`, then cast to float32. The reference
 is plain FP32 matmuls of those operands. Each recipe runs `nvfp4_ops.dot_general` forward + VJP
 ({backend} backend) with {draws} stochastic-rounding keys (1 for recipes without stochastic
 rounding: they are deterministic). Bias = ||mean_k G_k - G|| / ||G||; floor = sqrt(sum var / K) /
@@ -314,7 +319,7 @@ cos and rel err are single-draw means. W consistency = ||Q(W along K) - Q(W alon
 (0: Fprop and Dgrad see the same quantized weight). Every number is the mean over linears
 (gradients.json also holds the max and each linear's values). Role table: relative quantization
 error of each GEMM operand (mean over linears) with the largest underflow / saturation fraction
-(`nvfp4_ops.telemetry.gemm_operand_stats`; dgrad_w only where W is re-quantized for Dgrad)."""
+(`nvfp4_ops.gemm_operand_stats`; dgrad_w only where W is re-quantized for Dgrad)."""
 
 
 def markdown(report: dict[str, Any]) -> str:

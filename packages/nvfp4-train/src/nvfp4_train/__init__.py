@@ -26,8 +26,11 @@ from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.plot import plot_runs
 from nvfp4_train.policy import PrecisionConfig
-from nvfp4_train.run import RunSummary, evaluate_run, run
+from nvfp4_train.resume import abstract_state
+from nvfp4_train.run import RunSummary, evaluate_run, load_run_config, run
 from nvfp4_train.sharding import MeshConfig, make_mesh
+from nvfp4_train.step import init_state, with_vocab_size
+from nvfp4_train.telemetry import capture_linear_operands
 
 __all__ = [
     "CheckpointConfig",
@@ -44,13 +47,18 @@ __all__ = [
     "Restored",
     "RunSummary",
     "TrainConfig",
+    "abstract_state",
+    "capture_linear_operands",
     "config_from_dict",
     "evaluate_run",
+    "init_state",
     "load_config",
+    "load_run_config",
     "make_datasets",
     "make_mesh",
     "plot_runs",
     "run",
     "to_dict",
     "to_yaml",
+    "with_vocab_size",
 ]
