@@ -247,3 +247,21 @@ def test_recipe_variants_export_standard_nvfp4_w4a4(tmp_path, recipe):
     else:  # the forward weights are the full recipe's
         for suffix in (".weight_global_scale", ".weight_packed", ".weight_scale"):
             assert got.tensors[Q + suffix].tobytes() == want.tensors[Q + suffix].tobytes()
+
+
+def test_a_scheduled_run_without_its_recipe_map_is_refused(tmp_path):
+    """A precision schedule is not re-derived from the config: the checkpoint's map is needed."""
+    precision = {"recipe": "nvfp4", "schedule": [{"gemms": ["fprop"], "from": 2, "recipe": "bf16"}]}
+    run = write_run(tmp_path / "run", precision=precision, quant_stats=None)
+    with pytest.raises(ExportError, match=r"precision.schedule \(1 rules\).*quant_stats.recipes"):
+        export_hf(run, tmp_path / "ct", layout="compressed-tensors")
+    assert not (tmp_path / "ct").exists()
+    stats = {"recipes": {p: "nvfp4" for p in _linear_paths(4)}}
+    listed = write_run(tmp_path / "listed", precision=precision, quant_stats=stats)
+    done = export_hf(listed, tmp_path / "ct", layout="compressed-tensors", weight_only=True)
+    assert done.plan.fmt == "nvfp4"
+
+
+def _linear_paths(num_layers: int) -> list[str]:
+    names = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+    return [f"layers.{i}.{n}" for i in range(num_layers) for n in names]

@@ -9,6 +9,11 @@ of the training package's precision policy (documented in docs/export.md):
     explicit `bf16_first_layers` / `bf16_last_layers` >= 0 replace the rule's counts
     blocks i < first or i >= L - last use "bf16", the others `precision.recipe`
     then each `overrides` entry "REGEX=RECIPE" (re.fullmatch on the path) is applied in order.
+
+A config with a `precision.schedule` (rules per GEMM, layer and step window) is not re-derived:
+which preset the final weights' forward used depends on the schedule's last phases, which the
+training package resolves and writes into `quant_stats.recipes`; without that item such a
+checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -92,6 +97,12 @@ def default_bf16_layers(num_layers: int) -> tuple[int, int]:
 
 
 def _rule_recipes(spec: LlamaSpec, precision: dict[str, Any]) -> dict[str, str]:
+    if precision.get("schedule"):
+        raise ExportError(
+            f"the config has a precision.schedule ({len(precision['schedule'])} rules), so the "
+            "recipe map of its linears must come from the checkpoint's quant_stats item "
+            "(quant_stats.recipes, written by nvfp4-train with every checkpoint); this one lacks it"
+        )
     rule_first, rule_last = default_bf16_layers(spec.num_layers)
     first = int(precision.get("bf16_first_layers", -1))
     last = int(precision.get("bf16_last_layers", -1))
@@ -124,7 +135,8 @@ def linear_recipes(
         quant_stats: the checkpoint's `quant_stats` item or None; its `recipes` map wins.
 
     Raises:
-        ExportError: the list does not cover exactly the model's linears.
+        ExportError: the list does not cover exactly the model's linears, or there is no list
+            and the config has a `precision.schedule`.
     """
     listed = (quant_stats or {}).get("recipes")
     if listed is None:

@@ -25,9 +25,10 @@ from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.plot import plot_runs
-from nvfp4_train.policy import PrecisionConfig
+from nvfp4_train.policy import PrecisionConfig, precision_phases
 from nvfp4_train.resume import abstract_state
 from nvfp4_train.run import RunSummary, evaluate_run, load_run_config, run
+from nvfp4_train.schedule import PrecisionPhase, ScheduleRule, format_schedule
 from nvfp4_train.sharding import MeshConfig, make_mesh
 from nvfp4_train.step import init_state, with_vocab_size
 from nvfp4_train.telemetry import capture_linear_operands
@@ -44,19 +45,23 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
+    "PrecisionPhase",
     "Restored",
     "RunSummary",
+    "ScheduleRule",
     "TrainConfig",
     "abstract_state",
     "capture_linear_operands",
     "config_from_dict",
     "evaluate_run",
+    "format_schedule",
     "init_state",
     "load_config",
     "load_run_config",
     "make_datasets",
     "make_mesh",
     "plot_runs",
+    "precision_phases",
     "run",
     "to_dict",
     "to_yaml",

@@ -1,8 +1,9 @@
 """The `nvfp4-train` command line.
 
     nvfp4-train run CONFIG.yaml [key=value ...]          train (or resume) a run
-    nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config
-        [--memory] [--devices N]                         (and what one device holds)
+    nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config and
+        [--memory] [--devices N]                         its precision schedule (and what
+                                                         one device holds)
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
                                                          (default: RUN_DIR/loss.png)
@@ -44,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", type=Path, help="the YAML config file")
     run.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
 
-    show = sub.add_parser("show-config", help="print the fully resolved config as YAML")
+    show = sub.add_parser(
+        "show-config",
+        help="print the fully resolved config as YAML, then its precision schedule (the preset "
+        "of each linear and GEMM per phase) as YAML comments",
+    )
     show.add_argument("config", type=Path, help="the YAML config file")
     show.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
     show.add_argument(
@@ -99,8 +104,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
+    from nvfp4_train.model import linear_paths
+    from nvfp4_train.policy import precision_phases
+    from nvfp4_train.schedule import format_schedule
+
     cfg = load_config(args.config, args.overrides)
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
     sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(format_schedule(phases, linear_paths(cfg.model)))
     if args.memory or args.devices is not None:
         import jax
 

@@ -2,7 +2,9 @@
 
 `Config` gathers one section per concern (`model`, `precision`, `optimizer`, `data`, `train`,
 `checkpoint`, `logging`, `mesh`, `distributed`). The loader builds the tree generically from the dataclass type hints, so a
-section only has to declare typed, defaulted fields and validate values in `__post_init__`.
+section only has to declare typed, defaulted fields and validate values in `__post_init__`. A
+field whose name cannot be a YAML key as it is (a Python keyword) names its key in its metadata:
+`from_: int = dataclasses.field(default=0, metadata={"config_key": "from"})` (`config_key`).
 Loading never touches the file system beyond reading the YAML (and, with `model.init_from`, that
 model's `config.json`: `nvfp4_train.hf_config`), and never initialises a runtime.
 
@@ -178,6 +180,11 @@ class Config:
 # ----------------------------------------------------------------------------- generic loader
 
 
+def config_key(field: dataclasses.Field) -> str:
+    """The YAML key of a dataclass field: its `metadata["config_key"]`, else its name."""
+    return field.metadata.get("config_key", field.name)
+
+
 def _describe(tp: Any) -> str:
     """A readable name for a type hint: `int`, `tuple[int, ...]`, `one of 'a', 'b'`."""
     origin = typing.get_origin(tp)
@@ -189,6 +196,9 @@ def _describe(tp: Any) -> str:
         return "null"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
+    args = typing.get_args(tp)
+    if origin in (tuple, list) and args and dataclasses.is_dataclass(args[0]):
+        return "a list of mappings"
     return getattr(tp, "__name__", None) if origin is None else str(tp).replace("typing.", "")
 
 
@@ -289,7 +299,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 
 def _unknown_key(cls: type, key: str, dotted: str) -> ConfigError:
-    allowed = [f.name for f in dataclasses.fields(cls)]
+    allowed = [config_key(f) for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, allowed, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(
@@ -312,13 +322,13 @@ def build(cls: type, mapping: Mapping[str, Any], prefix: str = "") -> Any:
         ConfigError: an unknown key, a value of the wrong type, or a value the section rejects.
     """
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f.name for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in mapping.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             raise _unknown_key(cls, str(key), dotted)
-        kwargs[key] = _convert(hints[key], value, dotted)
+        kwargs[fields[key]] = _convert(hints[fields[key]], value, dotted)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -471,7 +481,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
 def to_dict(cfg: Any) -> Any:
     """The config tree as plain YAML/JSON-ready data (tuples become lists)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {config_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, tuple | list):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, Mapping):

@@ -3,8 +3,10 @@
 `TrainingLoop(cfg, graphdef, datasets, ckpts, say, mesh, state).train(...)` runs steps
 `start + 1 .. train.steps` of a state already restored or initialised (`nvfp4_train.run` sets
 that up): each step asks `nvfp4_train.cadence.due` what else happens (metrics row, evaluation,
-checkpoint, telemetry probe) and runs the train step of its `Phase` (the BF16-forward phase from
-`precision.bf16_forward_from` on, compiled when the switch is reached).
+checkpoint, telemetry probe) and runs the train step of its precision phase
+(`policy.precision_phases`: the late BF16 forward of `precision.bf16_forward_from`, the windows of
+`precision.schedule`), compiled when the run first reaches it: phases with the same recipes share
+one `Phase`, so a run compiles one train step per distinct table of recipes.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from nvfp4_ops import Recipe, get_recipe
 from nvfp4_train.cadence import Due, due
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, to_dict
 from nvfp4_train.errors import RunError
 from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import RunOutputs, format_row, quant_row, summarize_window
+from nvfp4_train.model import linear_paths
 from nvfp4_train.optim import make_optimizer
-from nvfp4_train.policy import bf16_forward_start, layer_recipe_names
+from nvfp4_train.policy import bf16_forward_start, layer_recipes, precision_phases
 from nvfp4_train.run_dir import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
+from nvfp4_train.schedule import forward_weight_names, phase_changes, phase_index
 from nvfp4_train.sharding import batch_sharding, global_batch, host_value
 from nvfp4_train.step import flat_amax, forward, make_eval_step, make_train_step, model_graphdef
 from nvfp4_train.stop import StopRequest
@@ -97,8 +102,8 @@ def _agreed(flag: bool) -> bool:
 
 
 class Phase(NamedTuple):
-    """The step functions of one precision phase, jitted with the state's shardings (compiled
-    when first called): before `precision.bf16_forward_from` and, with the BF16 forward, after."""
+    """The step functions of one table of recipes (of one or more precision phases), jitted with
+    the state's shardings (compiled when first called)."""
 
     train: Callable
     eval: Callable
@@ -115,25 +120,45 @@ class TrainingLoop:
         self.state_sh = jax.tree.map(lambda x: x.sharding, state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
-        self.switch = bf16_forward_start(cfg.precision, cfg.train.steps)
-        early = self._phase(graphdef)
-        late = early if self.switch is None else self._phase(model_graphdef(cfg, bf16_forward=True))
-        self.phases = (early, late)
+        self.schedule = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+        self.paths = linear_paths(cfg.model)
+        self._graphdefs = {self._key(layer_recipes(cfg.model, cfg.precision)): graphdef}
+        self._phases: dict[tuple, Phase] = {}
+        self._compiled: dict[tuple, Callable] = {}
         self.health = make_health_tracker(cfg.logging.quant_health)
         self.health_state = self.health.init()
         self.val_batches = [global_batch(b, self.batch_sh) for b in eval_batches(cfg, datasets)]
         self.streak = (0, 0)  # (how many, first step) of the latest consecutive non-finite steps
         self.config_dict = to_dict(cfg)
-        self.recipes = layer_recipe_names(cfg.model, cfg.precision)
+        self.recipes = forward_weight_names(self.schedule, cfg.train.steps)
         self.reference_tokens = reference_tokens(cfg, datasets)
         seed = cfg.train.seed
+        exported = self._graphdef({p: get_recipe(n) for p, n in self.recipes.items()})
         self.forward = jax.jit(
-            lambda p, t: forward(graphdef, p, t, jax.random.key(seed)),
+            lambda p, t: forward(exported, p, t, jax.random.key(seed)),
             in_shardings=(self.state_sh.params, self.replicated),
             out_shardings=self.replicated,
         )
 
-    def _phase(self, graphdef: Any) -> Phase:
+    def _key(self, recipes: dict[str, Recipe]) -> tuple[Recipe, ...]:
+        return tuple(recipes[p] for p in self.paths)
+
+    def _graphdef(self, recipes: dict[str, Recipe]) -> Any:
+        """The model graphdef with `recipes` (one per distinct table)."""
+        key = self._key(recipes)
+        if key not in self._graphdefs:
+            self._graphdefs[key] = model_graphdef(self.cfg, recipes=recipes)
+        return self._graphdefs[key]
+
+    def phase(self, index: int) -> Phase:
+        """The jitted steps of precision phase `index` (shared by phases with equal recipes)."""
+        recipes = self.schedule[index].recipes
+        key = self._key(recipes)
+        if key not in self._phases:
+            self._phases[key] = self._jitted(self._graphdef(recipes))
+        return self._phases[key]
+
+    def _jitted(self, graphdef: Any) -> Phase:
         """The jitted steps of `graphdef` with the state's shardings."""
         cfg, mesh, state_sh = self.cfg, self.mesh, self.state_sh
         return Phase(
@@ -151,30 +176,44 @@ class TrainingLoop:
             probe=jax.jit(make_quant_probe(cfg, graphdef, mesh), out_shardings=self.replicated),
         )
 
-    def phase(self, completed: int) -> Phase:
-        """The phase of the steps after `completed` ones."""
-        return self.phases[self.switch is not None and completed >= self.switch]
+    def _compile(self, index: int, state: Any, batch: Any) -> Callable:
+        """Phase `index`'s train step compiled for `state` and `batch` (once per distinct table
+        of recipes); says how long compiling took."""
+        key = self._key(self.schedule[index].recipes)
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = self.phase(index).train.lower(state, batch).compile()
+            self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
+        return self._compiled[key]
 
-    def _compile(self, phase: Phase, state: Any, batch: Any, completed: int) -> Callable:
-        """`phase`'s train step compiled for `state` and `batch`; says how long that took and,
-        when the steps after `completed` run the BF16 forward, that they do."""
-        t0 = time.perf_counter()
-        step_fn = phase.train.lower(state, batch).compile()
-        self.say(f"compiled the train step in {time.perf_counter() - t0:.1f}s")
-        if phase is not self.phases[0]:
-            switch = self.switch
-            what = "now run" if completed == switch else f"run (since step {switch})"
-            self.say(
-                f"step {completed}: forward GEMMs of the quantized linears {what} in BF16 "
-                f"(precision.bf16_forward_from={self.cfg.precision.bf16_forward_from})"
-            )
-        return step_fn
+    def _announce(self, completed: int, index: int) -> None:
+        """Says which precision phase the steps after `completed` run in, when it is not the
+        first (with only `precision.bf16_forward_from`: that the forward runs in BF16)."""
+        precision, phase = self.cfg.precision, self.schedule[index]
+        if not precision.schedule:
+            switch = bf16_forward_start(precision, self.cfg.train.steps)
+            if switch is not None and completed >= switch and phase.start >= switch:
+                what = "now run" if completed == switch else f"run (since step {switch})"
+                self.say(
+                    f"step {completed}: forward GEMMs of the quantized linears {what} in BF16 "
+                    f"(precision.bf16_forward_from={precision.bf16_forward_from})"
+                )
+            return
+        if index == 0:
+            return
+        since = "starts" if completed == phase.start else f"runs since step {phase.start}"
+        changes = phase_changes(self.schedule[index - 1], phase, self.paths)
+        self.say(
+            f"step {completed}: precision phase {index + 1} of {len(self.schedule)}, completed "
+            f"steps {phase.label}, {since}: {changes}"
+        )
 
     def save(self, step: int, state: Any, iterator: Any) -> None:
         """Writes the checkpoint of `step` with its quant_stats and reference items.
 
-        The reference logits always come from the quantized forward of `quant_stats["recipes"]`
-        (what an export reproduces), also after a `precision.bf16_forward_from` switch.
+        `quant_stats["recipes"]` holds `schedule.forward_weight_names` (the presets an export
+        quantizes the weights as) and the reference logits come from their quantized forward,
+        also after a `precision.bf16_forward_from` switch or a schedule's BF16 Fprop.
         """
         amax = {k: float(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
         quantized = [p for p, name in self.recipes.items() if name != "bf16"]
@@ -258,8 +297,9 @@ class TrainingLoop:
         written, and the run returns early with `stopped_by` set.
         """
         batch = global_batch(next(iterator), self.batch_sh)
-        phase = self.phase(start)
-        step_fn = self._compile(phase, state, batch, start)
+        index = phase_index(self.schedule, start)
+        phase, step_fn = self.phase(index), self._compile(index, state, batch)
+        self._announce(start, index)
         outputs = _outputs(self.cfg, run_dir, start, stream)
         window, rows, step, t_window = [], [], start, time.perf_counter()
         try:
@@ -274,10 +314,13 @@ class TrainingLoop:
                 window.append(step_metrics)
                 if quant is not None:
                     self._report_quant(outputs, step, quant)
-                if self.phase(step) is not phase:  # later steps run the BF16 forward
+                if phase_index(self.schedule, step) != index:  # a new precision phase
                     jax.block_until_ready(state)  # so that only the compile is left out
-                    t0, phase = time.perf_counter(), self.phase(step)
-                    step_fn = self._compile(phase, state, batch, step)
+                    t0, index = time.perf_counter(), phase_index(self.schedule, step)
+                    phase = self.phase(index)
+                    if step < self.cfg.train.steps:  # else only its validation is left
+                        step_fn = self._compile(index, state, batch)
+                    self._announce(step, index)
                     t_window += time.perf_counter() - t0
                 stopping = _agreed(stop.signal is not None)
                 if stopping or now.row:

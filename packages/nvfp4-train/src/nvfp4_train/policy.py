@@ -16,6 +16,12 @@ Overrides: `"REGEX=RECIPE"` strings, matched with `re.fullmatch` against module 
 Late BF16 forward (`bf16_forward_from`, the NVFP4 paper's Appendix D): from the switch step on,
 every quantized linear runs `recipe.with_bf16_fprop()` (Fprop GEMM in BF16, Dgrad and Wgrad
 unchanged); see `bf16_forward_start`.
+
+Precision schedule (`schedule`, `nvfp4_train.schedule`): rules per layer, GEMM and step window.
+The settings above are its implicit first rules (`schedule_rules`): `recipe`, the first/last
+BF16 blocks and `overrides` (the table of `layer_recipe_names`, all GEMMs, the whole run), then
+`bf16_forward_from` (the Fprop GEMM of the quantized linears in BF16 from the switch step on);
+the user's rules follow and win. `precision_phases` resolves them into phases.
 """
 
 from __future__ import annotations
@@ -26,6 +32,17 @@ import re
 
 import nvfp4_ops
 from nvfp4_train.model import LINEAR_NAMES, ModelConfig, layer_layout, linear_paths
+from nvfp4_train.schedule import (
+    GEMMS,
+    PrecisionPhase,
+    Rule,
+    ScheduleRule,
+    check_step_or_fraction,
+    forward_weight_names,
+    resolve_phases,
+    resolve_rule,
+    step_of,
+)
 from nvfp4_train.stacking import LayerLayout
 
 BF16_RECIPE = "bf16"
@@ -104,6 +121,9 @@ class PrecisionConfig:
             the paper switches at ~0.82), an int >= 0 a step number; None (default) never. The
             training step with `k` completed steps before it runs the BF16 forward when
             `k >= switch step`, and so does validation of a model with `k` completed steps.
+        schedule: `ScheduleRule`s applied in order after the settings above (later rules win):
+            which preset quantizes which GEMMs (fprop, dgrad, wgrad) of which linears (regex)
+            in which window of steps; see `nvfp4_train.schedule` and docs/precision-policy.md.
 
     Example:
         >>> PrecisionConfig(recipe="nvfp4", overrides=("layers\\\\.0\\\\..*=bf16",)).recipe
@@ -121,6 +141,7 @@ class PrecisionConfig:
     loss_scale_growth_interval: int = 2000
     skip_nonfinite: bool = True
     bf16_forward_from: int | float | None = None
+    schedule: tuple[ScheduleRule, ...] = ()
 
     def __post_init__(self):
         _check_recipe_name(self.recipe, "precision.recipe")
@@ -142,6 +163,7 @@ class PrecisionConfig:
             )
         for text in self.overrides:
             _parse_override(text)
+        _check_schedule(self.schedule)
         if self.loss_scaling not in LOSS_SCALING_MODES:
             raise ValueError(
                 f"precision.loss_scaling must be one of {LOSS_SCALING_MODES}, "
@@ -165,17 +187,22 @@ class PrecisionConfig:
 
 def _check_bf16_forward_from(value: object) -> None:
     """Raises ValueError unless `value` is None, an int >= 0 or a float in (0, 1]."""
-    expected = "null, a step number (int >= 0) or a fraction of train.steps (float in (0, 1])"
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"precision.bf16_forward_from must be {expected}, got {value!r}")
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"precision.bf16_forward_from must be {expected}, got the step {value}")
-    if isinstance(value, float) and not 0.0 < value <= 1.0:
+    check_step_or_fraction(value, "precision.bf16_forward_from", nullable=True)
+
+
+def _check_schedule(schedule: object) -> None:
+    """Raises ValueError unless `schedule` is a tuple of `ScheduleRule`s."""
+    if not isinstance(schedule, tuple):
         raise ValueError(
-            f"precision.bf16_forward_from must be {expected}, got the fraction {value}"
+            f"precision.schedule must be a list of rules, got {type(schedule).__name__} "
+            f"{schedule!r}"
         )
+    for i, rule in enumerate(schedule):
+        if not isinstance(rule, ScheduleRule):
+            raise ValueError(
+                f"precision.schedule[{i}] must be a ScheduleRule (a mapping in YAML), "
+                f"got {type(rule).__name__}"
+            )
 
 
 def bf16_forward_start(precision_cfg: PrecisionConfig, total_steps: int) -> int | None:
@@ -191,11 +218,7 @@ def bf16_forward_start(precision_cfg: PrecisionConfig, total_steps: int) -> int 
         30
     """
     value = precision_cfg.bf16_forward_from
-    if value is None:
-        return None
-    if isinstance(value, float):
-        return _round_half_up(value * total_steps)
-    return value
+    return None if value is None else step_of(value, total_steps)
 
 
 def _round_half_up(x: float) -> int:
@@ -270,13 +293,83 @@ def layer_recipes(
     return recipes
 
 
+def schedule_rules(
+    model_cfg: ModelConfig, precision_cfg: PrecisionConfig, total_steps: int
+) -> tuple[Rule, ...]:
+    """Every rule of the run in order: the implicit ones of the older settings, then
+    `precision.schedule`.
+
+    Implicit rules: each preset of `layer_recipe_names` (`recipe`, first/last BF16 blocks,
+    `overrides`) on its linears, all GEMMs, the whole run; then, from the `bf16_forward_from`
+    switch step on, "bf16" for the Fprop GEMM of the linears whose preset quantizes.
+
+    Raises:
+        ValueError: an override or a schedule rule matches no linear, or a rule's window is
+            empty for `total_steps`.
+    """
+    names = layer_recipe_names(model_cfg, precision_cfg)
+    rules = [
+        Rule(tuple(p for p, n in names.items() if n == name), GEMMS, 0, None, name,
+             "precision.recipe / bf16_first_layers / bf16_last_layers / overrides")
+        for name in dict.fromkeys(names.values())
+    ]  # fmt: skip
+    switch = bf16_forward_start(precision_cfg, total_steps)
+    quantized = tuple(p for p, n in names.items() if nvfp4_ops.get_recipe(n).quantized)
+    if switch is not None and switch <= total_steps and quantized:
+        rules.append(
+            Rule(quantized, ("fprop",), switch, None, BF16_RECIPE, "precision.bf16_forward_from")
+        )
+    paths = linear_paths(model_cfg)
+    rules += [
+        resolve_rule(rule, i, paths, total_steps) for i, rule in enumerate(precision_cfg.schedule)
+    ]
+    return tuple(rules)
+
+
+def precision_phases(
+    model_cfg: ModelConfig, precision_cfg: PrecisionConfig, total_steps: int
+) -> tuple[PrecisionPhase, ...]:
+    """The precision phases of a run of `total_steps` steps (`nvfp4_train.schedule`).
+
+    Without `schedule` they are today's: one phase of `layer_recipes(...)`, and with
+    `bf16_forward_from` a second one of `layer_recipes(..., bf16_forward=True)` from the switch.
+
+    Example:
+        >>> cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4,
+        ...                   num_kv_heads=2, mlp_dim=128)
+        >>> phases = precision_phases(cfg, PrecisionConfig(bf16_forward_from=0.5), 10)
+        >>> [(p.label, p.recipes["layers.1.mlp.down"].name) for p in phases]
+        [('[0, 5)', 'nvfp4'), ('[5, end)', 'nvfp4+bf16-fprop')]
+    """
+    rules = schedule_rules(model_cfg, precision_cfg, total_steps)
+    return resolve_phases(rules, linear_paths(model_cfg), total_steps)
+
+
+def export_recipe_names(
+    model_cfg: ModelConfig, precision_cfg: PrecisionConfig, total_steps: int
+) -> dict[str, str]:
+    """Module path -> the preset of the forward the final weights reproduce (the checkpoints'
+    `quant_stats.recipes`, what an export quantizes the weight as): `layer_recipe_names` without
+    a schedule (also with `bf16_forward_from`); see `schedule.forward_weight_names`."""
+    return forward_weight_names(
+        precision_phases(model_cfg, precision_cfg, total_steps), total_steps
+    )
+
+
 def run_layout(cfg) -> LayerLayout:
     """Which blocks a run stores stacked (`model.scan_layers`, `model.layer_layout`): runs of
-    blocks with the same recipes (those of the quantized forward, so that the late BF16-forward
-    model has the same params tree) and the same weight-decay mask (`optimizer.no_decay`).
+    blocks whose recipes agree in every precision phase, in the base model (`layer_recipes`) and
+    in the export's forward (`export_recipe_names`), so that every model of the run has the same
+    params tree, and with the same weight-decay mask (`optimizer.no_decay`).
 
     Args:
-        cfg: the run config (reads `model`, `precision`, `optimizer.no_decay`).
+        cfg: the run config (reads `model`, `precision`, `train.steps`, `optimizer.no_decay`).
     """
-    recipes = layer_recipes(cfg.model, cfg.precision)
-    return layer_layout(cfg.model, recipes, cfg.optimizer.no_decay)
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    base = layer_recipes(cfg.model, cfg.precision)
+    exported = forward_weight_names(phases, cfg.train.steps)
+    signatures = {
+        path: (recipe, nvfp4_ops.get_recipe(exported[path]), *(p.recipes[path] for p in phases))
+        for path, recipe in base.items()
+    }  # compared per block only: a tuple of recipes serves as the block's recipe
+    return layer_layout(cfg.model, signatures, cfg.optimizer.no_decay)

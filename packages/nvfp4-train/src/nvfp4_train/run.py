@@ -30,7 +30,7 @@ from nvfp4_train.config import Config, ConfigError, load_config, to_yaml
 from nvfp4_train.data import make_datasets
 from nvfp4_train.loop import RunSummary, TrainingLoop, eval_batches, evaluate
 from nvfp4_train.metrics import MetricsFile, format_row
-from nvfp4_train.policy import bf16_forward_start, layer_recipe_names, run_layout
+from nvfp4_train.policy import export_recipe_names, layer_recipes, precision_phases, run_layout
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
 from nvfp4_train.run_dir import (
     CHECKPOINT_DIR,
@@ -40,6 +40,7 @@ from nvfp4_train.run_dir import (
     make_run_dir,
     run_lock,
 )
+from nvfp4_train.schedule import phase_index
 from nvfp4_train.sharding import bytes_per_device, make_mesh
 from nvfp4_train.step import count_params, make_eval_step, model_graphdef
 from nvfp4_train.stop import stop_requests
@@ -94,7 +95,8 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
 
 def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
     """`cfg` with the backends that disagree with "emulated" here left out (`backend_check`)."""
-    names = set(layer_recipe_names(cfg.model, cfg.precision).values())
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    names = {n for phase in phases for gemms in phase.names.values() for n in gemms}
     if any(get_recipe(n).quantized for n in names):
         say(backend_line(cfg.precision.backend))
     backend = trusted_backend(cfg.precision, names, say)
@@ -177,10 +179,12 @@ def evaluate_run(
 
     Args:
         run_dir: a run directory.
-        forward: "run": the forward the run trained with at that step (the BF16 forward from
-            `precision.bf16_forward_from` on); "quantized": the recipes' quantized forward;
-            "bf16": the quantized linears' forward GEMMs in BF16 (their backward is irrelevant
-            here), e.g. to see what a late switch to BF16 owes to BF16 evaluation alone.
+        forward: "run": the forward the run trained with at that step (its precision phase:
+            the BF16 forward from `precision.bf16_forward_from` on, a `precision.schedule`'s
+            windows); "quantized": the quantized forward of the presets the checkpoint lists in
+            `quant_stats.recipes` (what an export reproduces); "bf16": those with their forward
+            GEMMs in BF16 (their backward is irrelevant here), e.g. to see what a late switch
+            to BF16 owes to BF16 evaluation alone.
         stream: where the result line goes (default: stdout).
 
     Raises:
@@ -194,6 +198,22 @@ def evaluate_run(
     cfg = load_run_config(run_dir)
     with _exclusive(run_dir):
         return _evaluate(cfg, run_dir, forward, stream)
+
+
+def _eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
+    """The model `evaluate_run` validates a checkpoint of `step` with (see its `forward`);
+    `graphdef` is the base model's."""
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    if forward == "run":
+        recipes = phases[phase_index(phases, step)].recipes
+    else:
+        exported = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
+        recipes = {path: get_recipe(name) for path, name in exported.items()}
+        if forward == "bf16":
+            recipes = {path: recipe.with_bf16_fprop() for path, recipe in recipes.items()}
+    if recipes == layer_recipes(cfg.model, cfg.precision):
+        return graphdef
+    return model_graphdef(cfg, recipes=recipes)
 
 
 def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[str, Any]:
@@ -215,11 +235,7 @@ def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[
     if restored is None:
         raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
     latest = restored.step
-    switch = bf16_forward_start(cfg.precision, cfg.train.steps)
-    late = switch is not None and latest >= switch  # the forward the run used at this step
-    if forward == "bf16" or (forward == "run" and late):
-        graphdef = model_graphdef(cfg, bf16_forward=True)
-    eval_step = jax.jit(make_eval_step(cfg, graphdef))
+    eval_step = jax.jit(make_eval_step(cfg, _eval_graphdef(cfg, graphdef, forward, latest)))
     row = {
         "step": latest,
         "val_loss": evaluate(eval_step, restored.state.params, batches),

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+import nvfp4_ops
 from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.model import Llama, linear_paths
@@ -89,14 +90,22 @@ def state_from_params(
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
 
 
-def model_graphdef(cfg, *, bf16_forward: bool = False) -> nnx.GraphDef:
+def model_graphdef(
+    cfg, *, bf16_forward: bool = False, recipes: dict[str, nvfp4_ops.Recipe] | None = None
+) -> nnx.GraphDef:
     """The model's static structure (recipes included) without materialising parameters.
 
-    With `bf16_forward` its quantized linears run `recipe.with_bf16_fprop()` (the late phase of
-    `precision.bf16_forward_from`); its params tree is the one of `init_state(cfg)`, so the same
-    `TrainState` runs through either graphdef. `cfg.model.vocab_size` must be set.
+    `recipes` (module path -> `nvfp4_ops.Recipe`, e.g. a `PrecisionPhase.recipes` of
+    `policy.precision_phases`) default to `layer_recipes(cfg.model, cfg.precision,
+    bf16_forward=bf16_forward)`: with `bf16_forward` the quantized linears run
+    `recipe.with_bf16_fprop()` (the late phase of `precision.bf16_forward_from`). The params tree
+    is the one of `init_state(cfg)` (`run_layout` stacks only blocks alike in every phase), so the
+    same `TrainState` runs through any of them. `cfg.model.vocab_size` must be set.
     """
-    recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
+    if recipes is None:
+        recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
+    elif bf16_forward:
+        raise ValueError("model_graphdef takes recipes or bf16_forward=True, not both")
     seed, layout = cfg.train.seed, run_layout(cfg)
     backend = backend_spec(cfg.precision.backend)
     abstract = nnx.eval_shape(
