@@ -8,8 +8,10 @@ import sys
 import pytest
 import yaml
 
+from nvfp4_train import cli
 from nvfp4_train.cli import main
 from nvfp4_train.config import config_from_dict, load_config
+from nvfp4_train.errors import DataError
 from nvfp4_train.metrics import read_metrics
 
 RUN_STEPS = 8  # conftest's trained_runs
@@ -88,6 +90,25 @@ def test_user_errors_exit_2_with_one_line(args, needle, tmp_path, capsys, tiny_c
     assert main([a.format(**values) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    # only the project's error types become one-line errors; a plain ValueError is a bug
+    def buggy(args):
+        raise ValueError("a bug, not a user mistake")
+
+    monkeypatch.setitem(cli._COMMANDS, "eval", buggy)
+    with pytest.raises(ValueError, match="a bug"):
+        main(["eval", "somewhere"])
+
+
+def test_a_data_error_is_one_line(monkeypatch, capsys):
+    def bad_data(args):
+        raise DataError("data.path: 'nowhere.txt' does not exist")
+
+    monkeypatch.setitem(cli._COMMANDS, "eval", bad_data)
+    assert main(["eval", "somewhere"]) == 2
+    assert capsys.readouterr().err == "error: data.path: 'nowhere.txt' does not exist\n"
 
 
 def test_user_error_in_subprocess_has_no_traceback(tmp_path):

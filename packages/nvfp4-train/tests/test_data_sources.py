@@ -14,6 +14,7 @@ from nvfp4_train.data.sources import (
     text_files,
     token_array,
 )
+from nvfp4_train.errors import DataError
 
 HAS_ARRAY_RECORD = importlib.util.find_spec("array_record") is not None
 
@@ -44,9 +45,11 @@ def test_text_file_directory_and_glob(tmp_path):
 
 
 def test_text_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"data\.path: '.*nowhere' does not exist"):
+    # DataError: the CLI's one-line user error; still a ValueError for API callers
+    with pytest.raises(DataError, match=r"data\.path: '.*nowhere' does not exist"):
         text_files(str(tmp_path / "nowhere"), "*.txt")
-    with pytest.raises(ValueError, match=r"no files match data\.text_glob='\*\.txt'"):
+    assert issubclass(DataError, ValueError)
+    with pytest.raises(DataError, match=r"no files match data\.text_glob='\*\.txt'"):
         text_files(str(tmp_path), "*.txt")
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match=r"the corpus is empty \(1 file\(s\), all empty\)"):

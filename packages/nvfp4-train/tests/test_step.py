@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from nvfp4_train.config import config_from_dict
+from nvfp4_train.config import ConfigError, config_from_dict
 from nvfp4_train.model import linear_paths, unstacked
 from nvfp4_train.optim import make_optimizer
 from nvfp4_train.policy import run_layout
@@ -22,6 +22,7 @@ from nvfp4_train.step import (
     init_state,
     make_eval_step,
     make_train_step,
+    with_vocab_size,
 )
 
 RECIPES = [
@@ -185,6 +186,16 @@ def test_eval_step_matches_train_loss():
     _, _, metrics = train(cfg, 1, state)
     assert int(count) == 4 * 32 and count.dtype == jnp.int32
     np.testing.assert_allclose(float(loss_sum) / int(count), float(metrics["loss"]), rtol=1e-6)
+
+
+def test_with_vocab_size_fills_from_data():
+    assert with_vocab_size(run_config(vocab=0), 300).model.vocab_size == 300
+    padded = run_config(vocab=512)
+    assert with_vocab_size(padded, 300) == padded  # an explicit, larger size is kept
+    with pytest.raises(ConfigError, match=">= the data's vocabulary size 300"):
+        with_vocab_size(run_config(vocab=256), 300)
+    with pytest.raises(ValueError, match="must be > 0, got 0"):
+        with_vocab_size(run_config(vocab=0), 0)
 
 
 def test_count_params_and_vocab_from_data():

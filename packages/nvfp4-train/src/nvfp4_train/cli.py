@@ -11,9 +11,11 @@
                                                          quantization telemetry heat maps
                                                          (default: RUN_DIR/quant.png)
 
-A user mistake (bad config, missing file, wrong run directory) prints one `error:` line and exits 2;
-a run that cannot go on (`RunError`) prints one and exits 1. Set NVFP4_TRAIN_DEBUG=1 to see the
-traceback instead.
+A user mistake (one of the project's user-error types, `USER_ERRORS`: bad config, bad data,
+wrong run directory; or an `OSError` naming a file) prints one `error:` line and exits 2; a run
+that cannot go on (`RunError`) prints one and exits 1 (see `nvfp4_train.errors`). Any other
+exception is a bug and keeps its traceback. Set NVFP4_TRAIN_DEBUG=1 to see the traceback of the
+one-line errors too.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nvfp4_train.config import ConfigError, load_config, to_yaml
-from nvfp4_train.errors import RunError
+from nvfp4_train.errors import DataError, RunError
+from nvfp4_train.hf_config import HFConfigError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 DEBUG_ENV = "NVFP4_TRAIN_DEBUG"
+USER_ERRORS = (ConfigError, DataError, HFConfigError)
+"""The project's user-mistake types: one `error:` line and exit 2 (as is an `OSError`)."""
 
 _OVERRIDES_HELP = "dotted overrides, e.g. train.steps=50 model.num_layers=4 precision.recipe=bf16"
 
@@ -98,7 +103,10 @@ def _run(args: argparse.Namespace) -> int:
     from nvfp4_train.run import run
 
     cfg = load_config(args.config, args.overrides)
-    initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
+    try:
+        initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
+    except ValueError as e:  # documented: a malformed environment value, a bad process id
+        raise ConfigError(str(e)) from None
     run(cfg)
     return 0
 
@@ -134,15 +142,17 @@ def _eval(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from nvfp4_train.plot import plot_quant, plot_runs
 
-    if args.quant:
-        if len(args.run_dirs) != 1:
-            names = " ".join(str(d) for d in args.run_dirs)
-            raise ValueError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
-        output = args.output or args.run_dirs[0] / "quant.png"
-        path = plot_quant(args.run_dirs[0], output, stat=args.stat)
-    else:
-        output = args.output or args.run_dirs[0] / "loss.png"
-        path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
+    if args.quant and len(args.run_dirs) != 1:
+        names = " ".join(str(d) for d in args.run_dirs)
+        raise ConfigError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
+    output = args.output or args.run_dirs[0] / ("quant.png" if args.quant else "loss.png")
+    try:
+        if args.quant:
+            path = plot_quant(args.run_dirs[0], output, stat=args.stat)
+        else:
+            path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
+    except ValueError as e:  # documented: no metrics.jsonl or rows, a bad --stat or --smoothing
+        raise ConfigError(str(e)) from None
     print(f"wrote {path}")
     return 0
 
@@ -164,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except (ConfigError, ValueError, OSError) as e:
-        # ValueError: user input rejected by a library call (e.g. a data path or a config value).
+    except (*USER_ERRORS, OSError) as e:
         if os.environ.get(DEBUG_ENV):
             raise
         print(f"error: {e}", file=sys.stderr)

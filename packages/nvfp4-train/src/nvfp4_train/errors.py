@@ -1,4 +1,12 @@
-"""Errors a run raises for the command line to report in one line (see `nvfp4_train.cli`)."""
+"""Errors a run raises for the command line to report in one line (see `nvfp4_train.cli`).
+
+The project's error types, and what `nvfp4-train` does with each: a user mistake
+(`config.ConfigError`, `DataError`, `hf_config.HFConfigError`: `cli.USER_ERRORS`) prints one
+`error:` line and exits 2; a run that cannot go on (`RunError` and its subclasses
+`hf_weights.HFImportError`, `checkpoint.NonFiniteState`) prints one and exits 1. Any other
+exception is a bug and keeps its traceback. (`checkpoint.CorruptCheckpoint` never reaches the
+CLI: `nvfp4_train.resume` passes over an unreadable checkpoint.)
+"""
 
 from __future__ import annotations
 
@@ -6,3 +14,9 @@ from __future__ import annotations
 class RunError(RuntimeError):
     """A run that cannot go on (e.g. a backend that disagrees with the reference under
     `precision.verify_backend=strict`): the CLI prints the message and exits with status 1."""
+
+
+class DataError(ValueError):
+    """A user mistake the data pipeline finds (a missing corpus or tokenizer file, a corpus too
+    short for one batch, a token id outside the vocabulary): the CLI prints the message and exits
+    with status 2. A `ValueError`, so callers that catch that keep working."""

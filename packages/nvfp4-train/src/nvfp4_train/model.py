@@ -231,23 +231,6 @@ class ModelConfig:
         """The compute dtype as a JAX dtype."""
         return _DTYPES[self.dtype]
 
-    def with_vocab_size(self, data_vocab_size: int) -> ModelConfig:
-        """Returns the config with the data's vocabulary filled in.
-
-        `vocab_size=0` takes the data's size; an explicit size must be >= the data's (a larger one
-        pads the embedding, e.g. to a multiple of 128).
-        """
-        if data_vocab_size <= 0:
-            raise ValueError(f"data_vocab_size must be > 0, got {data_vocab_size}")
-        if self.vocab_size == 0:
-            return dataclasses.replace(self, vocab_size=data_vocab_size)
-        if self.vocab_size < data_vocab_size:
-            raise ValueError(
-                f"model.vocab_size must be 0 (take from data) or >= the data's vocabulary "
-                f"size {data_vocab_size}, got {self.vocab_size}"
-            )
-        return self
-
 
 def _check_architecture(cfg: ModelConfig) -> None:
     """Raises ValueError unless `cfg.architecture` can express the bias and norm options."""
@@ -353,7 +336,7 @@ class Llama(nnx.Module):
         if cfg.vocab_size <= 0:
             raise ValueError(
                 "model.vocab_size must be > 0 to build the model, got 0; fill it from the data "
-                "with ModelConfig.with_vocab_size(datasets.vocab_size)"
+                "with nvfp4_train.with_vocab_size(cfg, datasets.vocab_size)"
             )
         expected = set(linear_paths(cfg))
         missing, extra = sorted(expected - set(recipes)), sorted(set(recipes) - expected)

@@ -19,6 +19,7 @@ import optax
 from nvfp4_train.loss_scaling import dynamic_loss_scaling, skip_nonfinite
 from nvfp4_train.policy import PrecisionConfig
 from nvfp4_train.stacking import canonical_path, global_norm
+from nvfp4_train.tree_paths import key_names
 
 SCHEDULES = ("cosine", "wsd", "constant")
 WSD_DECAY_SHAPES = ("linear", "1-sqrt")
@@ -136,8 +137,7 @@ def decay_mask(cfg: OptimizerConfig, params) -> dict:
     patterns = [re.compile(p) for p in cfg.no_decay]
 
     def decays(path, _leaf) -> bool:
-        dotted = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        dotted = canonical_path(dotted)  # a stacked run decays as its blocks do
+        dotted = canonical_path(".".join(key_names(path)))  # a stacked run decays as its blocks
         return not any(p.search(dotted) for p in patterns)
 
     return jax.tree_util.tree_map_with_path(decays, params)

@@ -42,7 +42,7 @@ from nvfp4_train.run_dir import (
 )
 from nvfp4_train.schedule import phase_index
 from nvfp4_train.sharding import bytes_per_device, make_mesh
-from nvfp4_train.step import count_params, make_eval_step, model_graphdef
+from nvfp4_train.step import count_params, make_eval_step, model_graphdef, with_vocab_size
 from nvfp4_train.stop import stop_requests
 
 
@@ -59,11 +59,15 @@ def _with_data(cfg: Config) -> tuple[Config, Any]:
     """(cfg with `model.vocab_size` filled from the data, the data): the prologue of training
     and of evaluation."""
     datasets = _datasets(cfg)
+    return with_vocab_size(cfg, datasets.vocab_size), datasets
+
+
+def _mesh(cfg: Config) -> Any:
+    """The run's device mesh; ConfigError if `mesh:` does not fit the devices here."""
     try:
-        model = cfg.model.with_vocab_size(datasets.vocab_size)
-    except ValueError as e:
+        return make_mesh(cfg.mesh, jax.devices())
+    except ValueError as e:  # documented by MeshConfig.resolve: the sizes do not fit
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(cfg, model=model), datasets
 
 
 def _memory_line(mesh: Any, state: Any) -> str:
@@ -134,7 +138,7 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
     say = _sayer(stream)
     cfg, datasets = _with_data(cfg)
     iterator = datasets.train_iterator()
-    mesh = make_mesh(cfg.mesh, jax.devices())
+    mesh = _mesh(cfg)
     written = cfg  # config.yaml keeps precision.backend as configured
     say(f"run directory: {run_dir.resolve()}")
     cfg = _with_trusted_backend(cfg, say)

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import nvfp4_ops
+from nvfp4_train.config import ConfigError
 from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.model import Llama, linear_paths
@@ -30,6 +31,7 @@ from nvfp4_train.optim import make_optimizer, make_schedule
 from nvfp4_train.policy import backend_spec, layer_recipes, run_layout
 from nvfp4_train.sharding import batch_sharding, logits_sharding
 from nvfp4_train.stacking import global_norm
+from nvfp4_train.tree_paths import flat_paths
 
 Batch = dict[str, jax.Array]
 
@@ -60,24 +62,23 @@ def init_state(
 
     Args:
         cfg: The run config.
-        vocab_size: The data's vocabulary size; fills `model.vocab_size` when that is 0.
+        vocab_size: The data's vocabulary size; fills `model.vocab_size` (`with_vocab_size`).
         optimizer: Defaults to `make_optimizer(cfg, cfg.train.steps)`.
 
     Returns:
         (graphdef, state): the model's static structure (recipes included) and step-0 state.
     """
-    model_cfg = cfg.model if vocab_size is None else cfg.model.with_vocab_size(vocab_size)
-    recipes = layer_recipes(model_cfg, cfg.precision)
+    if vocab_size is not None:
+        cfg = with_vocab_size(cfg, vocab_size)
+    recipes = layer_recipes(cfg.model, cfg.precision)
     backend = backend_spec(cfg.precision.backend)
     model = Llama(
-        model_cfg, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend,
+        cfg.model, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend,
         layout=run_layout(cfg),
     )  # fmt: skip
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
-    return graphdef, state_from_params(
-        dataclasses.replace(cfg, model=model_cfg), params, optimizer=optimizer
-    )
+    return graphdef, state_from_params(cfg, params, optimizer=optimizer)
 
 
 def state_from_params(
@@ -130,10 +131,7 @@ def _amax_tree(flat: dict[str, jax.Array]) -> dict[str, Any]:
 
 def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
     """`TrainState.activation_amax` as {module path with dots: value}, e.g. `layers.0.attn.qkv`."""
-    flat = {}
-    for key_path, value in jax.tree_util.tree_flatten_with_path(activation_amax)[0]:
-        flat[".".join(str(k.key) for k in key_path)] = value
-    return flat
+    return flat_paths(activation_amax)
 
 
 def forward_with_amax(
@@ -296,5 +294,29 @@ def count_params(params) -> int:
 
 
 def with_vocab_size(cfg, vocab_size: int):
-    """Returns the run config with `model.vocab_size` filled from the data (see ModelConfig)."""
-    return dataclasses.replace(cfg, model=cfg.model.with_vocab_size(vocab_size))
+    """The run config with `model.vocab_size` filled from the data's `vocab_size`.
+
+    The one place that fills it (`run`, `evaluate_run` and `init_state(vocab_size=...)` come
+    here): `model.vocab_size=0` takes the data's size; an explicit size must be >= the data's (a
+    larger one pads the embedding, e.g. to a multiple of 128) and is kept.
+
+    Raises:
+        ConfigError: an explicit `model.vocab_size` smaller than the data's vocabulary.
+        ValueError: `vocab_size` is not > 0.
+
+    Example:
+        >>> from nvfp4_train.config import config_from_dict
+        >>> with_vocab_size(config_from_dict({}), 300).model.vocab_size
+        300
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size (the data's) must be > 0, got {vocab_size}")
+    model = cfg.model
+    if model.vocab_size == 0:
+        return dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=vocab_size))
+    if model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size must be 0 (take from data) or >= the data's vocabulary "
+            f"size {vocab_size}, got {model.vocab_size}"
+        )
+    return cfg

@@ -26,6 +26,7 @@ import nvfp4_ops
 from nvfp4_train.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
 from nvfp4_train.model import LINEAR_NAMES, linear_keys, unstacked
 from nvfp4_train.step import activation_constraint
+from nvfp4_train.tree_paths import flat_paths
 
 Batch = dict[str, jax.Array]
 Operands = tuple[jax.Array, jax.Array, jax.Array]
@@ -39,18 +40,11 @@ def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
 
 
 def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
-    """{"layers": {"0": {"attn": {"qkv": {name: v}}}}} -> {"layers.0.attn.qkv": v}."""
-    flat: dict[str, jax.Array] = {}
-
-    def walk(node: dict[str, Any], path: tuple[str, ...]) -> None:
-        for key, child in node.items():
-            if key == name and not isinstance(child, dict):
-                flat[".".join(path)] = child
-            elif isinstance(child, dict):
-                walk(child, (*path, str(key)))
-
-    walk(tree, ())
-    return flat
+    """The leaves named `name`, keyed by their parent's dotted path (`tree_paths.flat_paths`):
+    {"layers": {"0": {"attn": {"qkv": {name: v}}}}} -> {"layers.0.attn.qkv": v}."""
+    suffix = f".{name}"
+    flat = flat_paths(tree)
+    return {path.removesuffix(suffix): leaf for path, leaf in flat.items() if path.endswith(suffix)}
 
 
 def _capturing_model(graphdef: nnx.GraphDef, params) -> nnx.Module:

@@ -18,10 +18,12 @@ from nvfp4_train.data.tokenization import (
     load_tokenizer,
     train_bpe,
 )
+from nvfp4_train.errors import DataError
 
 __all__ = [
     "Batch",
     "ByteTokenizer",
+    "DataError",
     "DataConfig",
     "Datasets",
     "HFTokenizer",

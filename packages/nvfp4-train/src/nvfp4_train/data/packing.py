@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nvfp4_train.errors import DataError
+
 FULL_CHECK_MAX_TOKENS = 2**28
 
 
@@ -56,14 +58,14 @@ def split_range(num_tokens: int, fraction: float) -> tuple[tuple[int, int], tupl
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
-    """Raises ValueError if any id is negative or >= vocab_size (in chunks, memory-mapped friendly)."""
+    """Raises DataError if any id is negative or >= vocab_size (in chunks, memory-mapped friendly)."""
     chunk = 1 << 24
     for start in range(0, tokens.size, chunk):
         part = tokens[start : start + chunk]
         low, high = int(part.min()), int(part.max())
         if low < 0 or high >= vocab_size:
             bad = high if high >= vocab_size else low
-            raise ValueError(
+            raise DataError(
                 f"{what} holds token id {bad}, outside the vocabulary [0, {vocab_size}); set "
                 "data.tokens_vocab_size (or data.tokenizer_path) to match the tokenizer that "
                 "wrote the ids"

@@ -26,6 +26,7 @@ from nvfp4_train.data.config import DataConfig
 from nvfp4_train.data.corpus import TokenRange, load_corpus
 from nvfp4_train.data.packing import PackedSequences
 from nvfp4_train.data.tokenization import Tokenizer
+from nvfp4_train.errors import DataError
 
 Batch = dict[str, np.ndarray]
 
@@ -43,7 +44,7 @@ def _check_arguments(seq_len: int, batch_size: int, seed: int, index: int, count
             f"batch_size must be a positive multiple of process_count={count}, got {batch_size}"
         )
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be in [0, 2**32) for grain's shuffle, got {seed}")
+        raise DataError(f"seed must be in [0, 2**32) for grain's shuffle, got {seed}")
 
 
 def _sequences(tokens: TokenRange, seq_len: int, vocab_size: int) -> PackedSequences:
@@ -151,7 +152,7 @@ def _validation_batch_count(
             "raise data.validation_fraction, lower train.batch_size or train.seq_len, or set "
             "data.validation_batches=0 to skip validation"
         )
-        raise ValueError(
+        raise DataError(
             _too_short("validation split", sequences, seq_len, rows * process_count, fix)
         )
     return min(cfg.validation_batches, per_process // rows)
@@ -177,8 +178,9 @@ def make_datasets(
         process_count: all JAX processes (`jax.process_count()`).
 
     Raises:
-        ValueError: a missing path, an empty or too short corpus, a bad token file, a token id
-            outside the vocabulary, or a validation split too small for one batch.
+        DataError: a missing path, an empty or too short corpus, a bad token file, a token id
+            outside the vocabulary, or a validation split too small for one batch (a
+            `ValueError`, see `nvfp4_train.errors`).
     """
     _check_arguments(seq_len, batch_size, seed, process_index, process_count)
     corpus = load_corpus(cfg)
@@ -187,7 +189,7 @@ def make_datasets(
     rows = batch_size // process_count
     if len(train) // process_count < rows:
         fix = "use more text, or lower train.batch_size or train.seq_len"
-        raise ValueError(_too_short("training split", train, seq_len, batch_size, fix))
+        raise DataError(_too_short("training split", train, seq_len, batch_size, fix))
     return Datasets(
         vocab_size=corpus.vocab_size,
         tokenizer=corpus.tokenizer,

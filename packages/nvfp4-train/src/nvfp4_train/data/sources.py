@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nvfp4_train.errors import DataError
+
 SYNTHETIC_STEPS = (1, 2, 3, 5)
 SYNTHETIC_SEED = 0
 ARRAY_RECORD_SUFFIX = ".array_record"
@@ -22,7 +24,7 @@ TOKEN_FILE_KINDS = (".npy", ".bin", ARRAY_RECORD_SUFFIX, "a directory of .array_
 def _existing(path: str, key: str = "data.path") -> Path:
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise ValueError(f"{key}: {path!r} does not exist")
+        raise DataError(f"{key}: {path!r} does not exist")
     return resolved
 
 
@@ -33,7 +35,7 @@ def text_files(path: str, text_glob: str) -> list[Path]:
         return [root]
     files = sorted(p for p in root.glob(text_glob) if p.is_file())
     if not files:
-        raise ValueError(
+        raise DataError(
             f"data.path: no files match data.text_glob={text_glob!r} in directory {path!r} "
             "(use '**/*.txt' to search subdirectories)"
         )
@@ -47,11 +49,11 @@ def read_documents(files: list[Path]) -> list[str]:
         try:
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"data.path: {str(file)!r} is not UTF-8 text ({e})") from None
+            raise DataError(f"data.path: {str(file)!r} is not UTF-8 text ({e})") from None
         if text:
             documents.append(text)
     if not documents:
-        raise ValueError(f"data.path: the corpus is empty ({len(files)} file(s), all empty)")
+        raise DataError(f"data.path: the corpus is empty ({len(files)} file(s), all empty)")
     return documents
 
 
@@ -69,7 +71,7 @@ def synthetic_stream(vocab_size: int, num_tokens: int) -> np.ndarray:
 
 def _check_integer(array: np.ndarray, where: str) -> None:
     if array.dtype.kind not in "ui":
-        raise ValueError(
+        raise DataError(
             f"data.path: {where} holds {array.dtype} values; token ids must be an integer dtype "
             "(uint16, uint32, int32, int64)"
         )
@@ -79,7 +81,7 @@ def _load_npy(file: Path) -> np.ndarray:
     try:
         array = np.load(file, mmap_mode="r", allow_pickle=False)
     except ValueError as e:
-        raise ValueError(
+        raise DataError(
             f"data.path: cannot memory-map {str(file)!r} as a .npy array: {e}"
         ) from None
     _check_integer(array, repr(str(file)))
@@ -90,12 +92,12 @@ def _load_bin(file: Path, dtype: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     size = file.stat().st_size
     if size % itemsize:
-        raise ValueError(
+        raise DataError(
             f"data.path: {str(file)!r} has {size} bytes, not a multiple of {itemsize}: is "
             f"data.tokens_dtype={dtype!r} the dtype it was written with?"
         )
     if size == 0:
-        raise ValueError(f"data.path: {str(file)!r} is empty")
+        raise DataError(f"data.path: {str(file)!r} is empty")
     return np.memmap(file, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
@@ -104,7 +106,7 @@ def _array_record_files(root: Path) -> list[Path]:
         return [root]
     files = sorted(p for p in root.glob(f"*{ARRAY_RECORD_SUFFIX}*") if p.is_file())
     if not files:
-        raise ValueError(f"data.path: no *{ARRAY_RECORD_SUFFIX} files in directory {str(root)!r}")
+        raise DataError(f"data.path: no *{ARRAY_RECORD_SUFFIX} files in directory {str(root)!r}")
     return files
 
 
@@ -113,14 +115,14 @@ def _load_array_record(root: Path, dtype: str, eos_id: int | None) -> np.ndarray
     try:
         from grain.python import ArrayRecordDataSource
     except ImportError as e:  # grain without the array_record extra
-        raise ValueError(f"data.path: reading ArrayRecord files needs `array_record` ({e})") from e
+        raise DataError(f"data.path: reading ArrayRecord files needs `array_record` ({e})") from e
     source = ArrayRecordDataSource([str(p) for p in _array_record_files(root)])
     little = np.dtype(dtype).newbyteorder("<")
     pieces = []
     for index in range(len(source)):
         record = source[index]
         if len(record) % little.itemsize:
-            raise ValueError(
+            raise DataError(
                 f"data.path: ArrayRecord record {index} has {len(record)} bytes, not a multiple "
                 f"of {little.itemsize}: is data.tokens_dtype={dtype!r} right?"
             )
@@ -128,7 +130,7 @@ def _load_array_record(root: Path, dtype: str, eos_id: int | None) -> np.ndarray
         if eos_id is not None:
             pieces.append(np.array([eos_id], dtype=little))
     if not pieces:
-        raise ValueError(f"data.path: the ArrayRecord corpus {str(root)!r} has no records")
+        raise DataError(f"data.path: the ArrayRecord corpus {str(root)!r} has no records")
     return np.concatenate(pieces)
 
 
@@ -149,9 +151,9 @@ def token_array(path: str, dtype: str, eos_id: int | None) -> np.ndarray:
     elif root.suffix == ".bin":
         tokens = _load_bin(root, dtype)
     else:
-        raise ValueError(
+        raise DataError(
             f"data.path: {path!r} is not a token file; expected one of {', '.join(TOKEN_FILE_KINDS)}"
         )
     if tokens.size == 0:
-        raise ValueError(f"data.path: the token corpus {path!r} is empty")
+        raise DataError(f"data.path: the token corpus {path!r} is empty")
     return tokens

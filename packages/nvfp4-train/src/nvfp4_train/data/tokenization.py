@@ -25,6 +25,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from nvfp4_train.errors import DataError
+
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -147,7 +149,7 @@ class HFTokenizer:
 
     def __post_init__(self) -> None:
         if self.eos_token and self.hf.token_to_id(self.eos_token) is None:
-            raise ValueError(
+            raise DataError(
                 f"data.eos_token {self.eos_token!r} is not in the tokenizer's vocabulary; set "
                 "data.eos_token to one of its special tokens, or to '' for no separator"
             )
@@ -164,7 +166,7 @@ class HFTokenizer:
         try:
             return self.hf.encode(text, add_special_tokens=False).ids
         except Exception as e:  # the Rust side raises a bare Exception
-            raise ValueError(f"cannot encode {text[:40]!r}: {e}") from None
+            raise DataError(f"cannot encode {text[:40]!r}: {e}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         ids_list = [int(i) for i in np.asarray(ids).reshape(-1)]
@@ -210,11 +212,11 @@ def load_tokenizer(path: str | Path, eos_token: str) -> HFTokenizer:
     if file.is_dir():
         file = file / TOKENIZER_FILE
     if not file.is_file():
-        raise ValueError(f"data.tokenizer_path: no tokenizer file at {str(file)!r}")
+        raise DataError(f"data.tokenizer_path: no tokenizer file at {str(file)!r}")
     try:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception
-        raise ValueError(
+        raise DataError(
             f"data.tokenizer_path: cannot read {str(file)!r} as tokenizer.json: {e}"
         ) from None
     return HFTokenizer(hf, eos_token)
