@@ -8,33 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from vjp_cases import MATMUL, operands, vjp_of
 
 import nvfp4_ops
 from nvfp4_ops import Recipe, get_recipe
 
-MATMUL = (((1,), (0,)), ((), ()))
 # One per code path: 2D weight reused in Dgrad, 1D weight re-quantized, MXFP4, per-tensor FP8.
 PATHS = ["nvfp4", "nvfp4-no-2d", "mxfp4", "fp8"]
-
-
-def _data(m=32, k=48, n=32, dtype=jnp.float32, seed=0):
-    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.1).astype(dtype)
-    dy = (jax.random.normal(kd, (m, n), jnp.float32) * 0.01).astype(dtype)
-    return x, w, dy
-
-
-def _vjp(recipe, dn=MATMUL, backend="emulated"):
-    @jax.jit
-    def run(x, w, dy, key):
-        def f(a, b):
-            return nvfp4_ops.dot_general(a, b, dn, recipe=recipe, key=key, backend=backend)
-
-        y, pullback = jax.vjp(f, x, w)
-        return (y, *pullback(dy))
-
-    return run
 
 
 def _bits(a: jax.Array) -> np.ndarray:
@@ -73,7 +53,7 @@ def test_recipe_with_the_flag_is_hashable_and_distinct():
     "name, dtype", [(name, jnp.bfloat16) for name in PATHS] + [("nvfp4", jnp.float32)]
 )
 def test_forward_is_lax_dot_general_of_the_unquantized_operands(name, dtype):
-    x, w, _ = _data(dtype=dtype)
+    x, w, _ = operands(dtype=dtype)
     recipe = get_recipe(name).with_bf16_fprop()
     y = nvfp4_ops.dot_general(x, w, MATMUL, recipe=recipe, key=jax.random.key(1))
     want = jax.lax.dot_general(x, w, MATMUL, preferred_element_type=jnp.float32).astype(dtype)
@@ -99,10 +79,10 @@ def test_forward_with_batch_dims_and_padded_shapes_is_the_plain_dot():
 def test_gradients_are_bit_identical_to_the_quantized_recipe(name, backend):
     if not nvfp4_ops.backend_capabilities()[backend][0]:
         pytest.skip(nvfp4_ops.backend_capabilities()[backend][1])
-    x, w, dy = _data(dtype=jnp.bfloat16, seed=2)
+    x, w, dy = operands(dtype=jnp.bfloat16, seed=2)
     key = jax.random.key(7)
-    _, dx, dw = _vjp(get_recipe(name), backend=backend)(x, w, dy, key)
-    _, dx_late, dw_late = _vjp(get_recipe(name).with_bf16_fprop(), backend=backend)(x, w, dy, key)
+    _, dx, dw = vjp_of(get_recipe(name), backend=backend)(x, w, dy, key)
+    _, dx_late, dw_late = vjp_of(get_recipe(name).with_bf16_fprop(), backend=backend)(x, w, dy, key)
     assert dx_late.dtype == dx.dtype and dw_late.dtype == dw.dtype
     np.testing.assert_array_equal(_bits(dx_late), _bits(dx))
     np.testing.assert_array_equal(_bits(dw_late), _bits(dw))
@@ -111,21 +91,21 @@ def test_gradients_are_bit_identical_to_the_quantized_recipe(name, backend):
 
 
 def test_gradients_depend_on_the_key_like_the_quantized_recipe():
-    x, w, dy = _data(seed=3)
-    run = _vjp(get_recipe("nvfp4").with_bf16_fprop())
+    x, w, dy = operands(seed=3)
+    run = vjp_of(get_recipe("nvfp4").with_bf16_fprop())
     a, b = run(x, w, dy, jax.random.key(0)), run(x, w, dy, jax.random.key(1))
     np.testing.assert_array_equal(_bits(a[0]), _bits(b[0]))
     assert not np.array_equal(_bits(a[1]), _bits(b[1]))
 
 
 def test_stochastic_recipe_with_the_flag_still_needs_a_key():
-    x, w, _ = _data()
+    x, w, _ = operands()
     with pytest.raises(ValueError, match="needs a PRNG key"):
         nvfp4_ops.dot_general(x, w, MATMUL, recipe=get_recipe("nvfp4").with_bf16_fprop())
 
 
 def test_jit_with_the_recipe_static_retraces_per_flag():
-    x, w, _ = _data()
+    x, w, _ = operands()
     traces = []
 
     def f(a, b, recipe):
@@ -142,7 +122,7 @@ def test_jit_with_the_recipe_static_retraces_per_flag():
 
 
 def test_backend_te_refuses_a_bf16_fprop_recipe():
-    x, w, _ = _data()
+    x, w, _ = operands()
     recipe = get_recipe("nvfp4").with_bf16_fprop()
     with pytest.raises(ValueError, match="te"):
         nvfp4_ops.dot_general(x, w, MATMUL, recipe=recipe, key=jax.random.key(0), backend="te")

@@ -7,31 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import ops_reference as ref
 import pytest
+from vjp_cases import MATMUL, operands, vjp_of
 
 import nvfp4_format as nf
 import nvfp4_ops
-
-MATMUL = (((1,), (0,)), ((), ()))
-
-
-def _data(m=32, k=48, n=32, seed=0):
-    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.1
-    dy = jax.random.normal(kd, (m, n), jnp.float32) * 0.01
-    return x, w, dy
-
-
-def _vjp(recipe, backend="emulated"):
-    @jax.jit
-    def run(x, w, dy, key):
-        def f(a, b):
-            return nvfp4_ops.dot_general(a, b, MATMUL, recipe=recipe, key=key, backend=backend)
-
-        y, pullback = jax.vjp(f, x, w)
-        return (y, *pullback(dy))
-
-    return run
 
 
 @pytest.mark.parametrize(
@@ -58,9 +37,9 @@ def test_bf16_recipe_is_exactly_lax_dot_general(dn, lhs_shape, rhs_shape):
 
 
 def test_nvfp4_gradients_match_the_plain_reference_bit_exactly():
-    x, w, dy = _data()
+    x, w, dy = operands()
     key = jax.random.key(42)
-    y, dx, dw = _vjp("nvfp4")(x, w, dy, key)
+    y, dx, dw = vjp_of("nvfp4")(x, w, dy, key)
     y_ref = jax.jit(lambda x, w: ref.fprop(x, w)[0][0])(x, w)
     dx_ref = jax.jit(lambda dy, w, key: ref.dgrad(dy, w, key)[0][0])(dy, w, key)
     dw_ref = jax.jit(lambda x, dy, key: ref.wgrad(x, dy, key)[0][0])(x, dy, key)
@@ -68,9 +47,9 @@ def test_nvfp4_gradients_match_the_plain_reference_bit_exactly():
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_ref))
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_ref))
     # Same key, same bits; another key, other bits (the key is really used).
-    _, dx2, dw2 = _vjp("nvfp4")(x, w, dy, key)
+    _, dx2, dw2 = vjp_of("nvfp4")(x, w, dy, key)
     np.testing.assert_array_equal(np.asarray(dx2), np.asarray(dx))
-    _, dx3, dw3 = _vjp("nvfp4")(x, w, dy, jax.random.key(43))
+    _, dx3, dw3 = vjp_of("nvfp4")(x, w, dy, jax.random.key(43))
     assert not np.array_equal(np.asarray(dx3), np.asarray(dx))
     assert not np.array_equal(np.asarray(dw3), np.asarray(dw))
 
@@ -80,7 +59,7 @@ def test_bf16_operands_round_the_wgrad_rotation_like_transformer_engine(out_dtyp
     # A BF16 operand's RHT is rounded back to BF16 before its amax and quantization (TE's
     # reference and kernel do so); rotating in FP32 instead changes ~1% of the Wgrad codes.
     # With an FP32 output (nvfp4-train's QuantLinear), dY still enters in the compute dtype.
-    x, w, dy = (a.astype(jnp.bfloat16) for a in _data(m=64, k=48, n=32, seed=3))
+    x, w, dy = (a.astype(jnp.bfloat16) for a in operands(m=64, k=48, n=32, seed=3))
     key = jax.random.key(5)
 
     @jax.jit
@@ -99,12 +78,12 @@ def test_bf16_operands_round_the_wgrad_rotation_like_transformer_engine(out_dtyp
 
 
 def test_no_sr_no_rht_gradients_match_reference():
-    x, w, dy = _data(seed=1)
+    x, w, dy = operands(seed=1)
     key = jax.random.key(0)
     recipe = nvfp4_ops.Recipe(
         grad=nvfp4_ops.TensorQuant("nvfp4", (1, 16), "rne"), wgrad_hadamard=False
     )
-    _, dx, dw = _vjp(recipe)(x, w, dy, key)
+    _, dx, dw = vjp_of(recipe)(x, w, dy, key)
     dx_ref = jax.jit(lambda dy, w: ref.dgrad(dy, w, key, stochastic=False)[0][0])(dy, w)
     dw_ref = jax.jit(lambda x, dy: ref.wgrad(x, dy, key, rht=False, stochastic=False)[0][0])(x, dy)
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_ref))
@@ -117,17 +96,17 @@ def test_dgrad_uses_the_fprop_weight_tiles(recipe, same):
     # quantize exactly, also with stochastic rounding).
     k, n = 32, 48
     w = jax.random.normal(jax.random.key(5), (k, n), jnp.float32)
-    run = _vjp(recipe)
+    run = vjp_of(recipe)
     y, _, _ = run(jnp.eye(k), w, jnp.zeros((k, n)), jax.random.key(0))
     _, dx, _ = run(jnp.ones((n, k)), w, jnp.eye(n), jax.random.key(0))
     assert np.array_equal(np.asarray(y), np.asarray(dx).T) == same
 
 
 def test_hadamard_changes_only_wgrad():
-    x, w, dy = _data(seed=2)
+    x, w, dy = operands(seed=2)
     key = jax.random.key(7)
-    y1, dx1, dw1 = _vjp("nvfp4")(x, w, dy, key)
-    y2, dx2, dw2 = _vjp("nvfp4-no-rht")(x, w, dy, key)
+    y1, dx1, dw1 = vjp_of("nvfp4")(x, w, dy, key)
+    y2, dx2, dw2 = vjp_of("nvfp4-no-rht")(x, w, dy, key)
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
     np.testing.assert_array_equal(np.asarray(dx1), np.asarray(dx2))
     assert not np.array_equal(np.asarray(dw1), np.asarray(dw2))
@@ -141,7 +120,7 @@ def test_stochastic_rounding_is_unbiased_over_keys():
     # element clips: E[Q(dY)] = dY up to the 8-bit uniform's 1/512-step bias.
     dy = jax.random.uniform(kd, (m, n), jnp.float32, -1.0, 1.0).at[:, ::16].set(1.0)
     x = jax.random.normal(kx, (m, k), jnp.float32)
-    run = _vjp("nvfp4")
+    run = vjp_of("nvfp4")
     keys = jax.random.split(jax.random.key(0), samples)
     dxs = jax.vmap(lambda kk: run(x, w, dy, kk)[1])(keys)
     wq_t = run(jnp.eye(k), w, jnp.zeros((k, n)), keys[0])[0]  # the 2D-quantized W, [K, N]
@@ -155,9 +134,9 @@ def test_stochastic_rounding_is_unbiased_over_keys():
 
 
 def test_gemm_errors_within_the_derived_bounds():
-    x, w, dy = _data(m=48, k=32, n=64, seed=4)
+    x, w, dy = operands(m=48, k=32, n=64, seed=4)
     key = jax.random.key(9)
-    y, dx, dw = _vjp("nvfp4")(x, w, dy, key)
+    y, dx, dw = vjp_of("nvfp4")(x, w, dy, key)
     hi = jax.lax.Precision.HIGHEST
     gamma = 2 * 64 * 2.0**-24  # FP32 accumulation, generously
 
@@ -205,7 +184,7 @@ def test_gemm_errors_within_the_derived_bounds():
 
 
 def test_stochastic_rounding_without_key_is_an_error():
-    x, w, _ = _data()
+    x, w, _ = operands()
     with pytest.raises(ValueError, match="needs a PRNG key"):
         nvfp4_ops.dot_general(x, w, MATMUL, recipe="nvfp4")
     with pytest.raises(TypeError, match="key must be"):

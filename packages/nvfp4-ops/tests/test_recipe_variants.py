@@ -14,33 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import ops_reference as ref
 import pytest
+from vjp_cases import operands, vjp_of
 
 import nvfp4_format as nf
 import nvfp4_ops
 from nvfp4_ops.recipe import BF16, Recipe, TensorQuant, compose
 from nvfp4_ops.te_backend import te_unsupported
 
-MATMUL = (((1,), (0,)), ((), ()))
 
-
-def _data(m=64, k=64, n=32, seed=0):
-    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.1
-    dy = jax.random.normal(kd, (m, n), jnp.float32) * 0.01
-    return x, w, dy
-
-
-def _vjp(recipe, backend="emulated"):
-    @jax.jit
-    def run(x, w, dy, key):
-        def f(a, b):
-            return nvfp4_ops.dot_general(a, b, MATMUL, recipe=recipe, key=key, backend=backend)
-
-        y, pullback = jax.vjp(f, x, w)
-        return (y, *pullback(dy))
-
-    return run
+def _data(seed=0):
+    return operands(64, 64, 32, seed=seed)
 
 
 def _assert_equal(got, want):
@@ -71,12 +54,12 @@ def _four_over_six_reference(x, w, dy, key):
 def test_four_over_six_recipe_matches_the_plain_reference_bit_exactly():
     x, w, dy = _data()
     key = jax.random.key(7)
-    got = _vjp("nvfp4-4over6")(x, w, dy, key)
+    got = vjp_of("nvfp4-4over6")(x, w, dy, key)
     want = jax.jit(_four_over_six_reference)(x, w, dy, key)
     for g, r in zip(got, want, strict=True):
         _assert_equal(g, r)
     # It is not the standard recipe: some block chose amax -> 4.
-    standard = _vjp("nvfp4")(x, w, dy, key)
+    standard = vjp_of("nvfp4")(x, w, dy, key)
     assert not np.array_equal(np.asarray(got[0]), np.asarray(standard[0]))
 
 
@@ -85,7 +68,7 @@ def test_four_over_six_is_closer_to_fp32_than_max_scaling_on_the_forward():
     exact = x @ w
     err = {}
     for name in ("nvfp4", "nvfp4-4over6"):
-        y = _vjp(name)(x, w, dy, jax.random.key(0))[0]
+        y = vjp_of(name)(x, w, dy, jax.random.key(0))[0]
         err[name] = float(jnp.sum((y - exact) ** 2))
     assert err["nvfp4-4over6"] < err["nvfp4"]
 
@@ -109,7 +92,7 @@ def _mxfp8_backward_reference(x, w, dy):
 @pytest.mark.parametrize("backend", ["emulated", "xla"])
 def test_mxfp8_backward_recipe_matches_the_plain_reference(backend):
     x, w, dy = _data()
-    got = _vjp("nvfp4-fwd-mxfp8-bwd", backend)(x, w, dy, None)
+    got = vjp_of("nvfp4-fwd-mxfp8-bwd", backend)(x, w, dy, None)
     want = jax.jit(_mxfp8_backward_reference)(x, w, dy)
     if backend == "emulated":
         for g, r in zip(got, want, strict=True):
@@ -123,8 +106,8 @@ def test_mxfp8_backward_recipe_needs_no_key_and_keeps_the_nvfp4_forward():
     recipe = nvfp4_ops.get_recipe("nvfp4-fwd-mxfp8-bwd")
     assert not recipe.needs_key and recipe.alignment == 32
     x, w, dy = _data()
-    y8 = _vjp(recipe)(x, w, dy, None)[0]
-    y4 = _vjp("nvfp4")(x, w, dy, jax.random.key(1))[0]
+    y8 = vjp_of(recipe)(x, w, dy, None)[0]
+    y4 = vjp_of("nvfp4")(x, w, dy, jax.random.key(1))[0]
     _assert_equal(y8, y4)
 
 
@@ -133,7 +116,7 @@ def test_mxfp8_gradients_are_closer_to_fp32_than_nvfp4_gradients():
     exact_dx, exact_dw = dy @ w.T, x.T @ dy
     err = {}
     for name, key in (("nvfp4", jax.random.key(2)), ("nvfp4-fwd-mxfp8-bwd", None)):
-        _, dx, dw = _vjp(name)(x, w, dy, key)
+        _, dx, dw = vjp_of(name)(x, w, dy, key)
         err[name] = (float(jnp.sum((dx - exact_dx) ** 2)), float(jnp.sum((dw - exact_dw) ** 2)))
     assert err["nvfp4-fwd-mxfp8-bwd"][0] < err["nvfp4"][0]
     assert err["nvfp4-fwd-mxfp8-bwd"][1] < err["nvfp4"][1]
@@ -180,20 +163,20 @@ def test_compose_takes_each_gemm_from_its_recipe_bit_exactly():
     key = jax.random.key(11)
     mixed = compose(nv, mx8, no_sr)
     assert mixed.name == "fprop=nvfp4,dgrad=nvfp4-fwd-mxfp8-bwd,wgrad=nvfp4-no-sr"
-    y, dx, dw = _vjp(mixed)(x, w, dy, key)
-    _assert_equal(y, _vjp(nv)(x, w, dy, key)[0])
-    _assert_equal(dx, _vjp(mx8)(x, w, dy, None)[1])
-    _assert_equal(dw, _vjp(no_sr)(x, w, dy, key)[2])
+    y, dx, dw = vjp_of(mixed)(x, w, dy, key)
+    _assert_equal(y, vjp_of(nv)(x, w, dy, key)[0])
+    _assert_equal(dx, vjp_of(mx8)(x, w, dy, None)[1])
+    _assert_equal(dw, vjp_of(no_sr)(x, w, dy, key)[2])
 
 
 def test_compose_with_a_bf16_backward_gemm():
     nv, bf = nvfp4_ops.get_recipe("nvfp4"), nvfp4_ops.get_recipe("bf16")
     x, w, dy = _data()
     key = jax.random.key(4)
-    y, dx, dw = _vjp(compose(nv, bf, nv))(x, w, dy, key)
-    _assert_equal(y, _vjp(nv)(x, w, dy, key)[0])
+    y, dx, dw = vjp_of(compose(nv, bf, nv))(x, w, dy, key)
+    _assert_equal(y, vjp_of(nv)(x, w, dy, key)[0])
     np.testing.assert_allclose(np.asarray(dx), np.asarray(dy @ w.T), rtol=1e-6, atol=1e-7)
-    _assert_equal(dw, _vjp(nv)(x, w, dy, key)[2])
+    _assert_equal(dw, vjp_of(nv)(x, w, dy, key)[2])
     fwd_only = compose(nv, bf, bf)
     assert not fwd_only.wgrad_hadamard  # nothing quantized in Wgrad: no RHT
     assert fwd_only.setting("wgrad_input") == BF16

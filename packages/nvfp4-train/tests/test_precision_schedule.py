@@ -9,13 +9,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from run_reading import saved_params, train_losses, val_losses
 
 import nvfp4_ops
 from nvfp4_train.config import ConfigError, config_from_dict, to_dict
-from nvfp4_train.metrics import read_metrics
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.policy import PrecisionConfig, bf16_forward_start, layer_recipes
 from nvfp4_train.resume import check_same_model
@@ -102,19 +101,6 @@ def test_checkpoints_written_before_the_field_existed_still_resume(tmp_path):
 # ----------------------------------------------------------------------------- runs
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-
-
-def _val_losses(run_dir: Path) -> dict[int, float]:
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r and "loss" in r}
-
-
-def _params(run_dir: Path, step: int):
-    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "params")
-
-
 @dataclasses.dataclass(frozen=True)
 class ScheduleRuns:
     switched: Path
@@ -148,7 +134,7 @@ def schedule_runs(tmp_path_factory, tiny_config) -> ScheduleRuns:
 
 
 def test_losses_match_the_plain_run_until_the_switch_and_differ_after(schedule_runs):
-    switched, plain = _losses(schedule_runs.switched), _losses(schedule_runs.plain)
+    switched, plain = train_losses(schedule_runs.switched), train_losses(schedule_runs.plain)
     assert [s for s, _ in switched] == [s for s, _ in plain] == list(range(1, STEPS + 1))
     assert switched[:SWITCH] == plain[:SWITCH]
     for (_, late), (_, quantized) in zip(switched[SWITCH:], plain[SWITCH:], strict=True):
@@ -157,11 +143,11 @@ def test_losses_match_the_plain_run_until_the_switch_and_differ_after(schedule_r
 
 
 def test_validation_after_the_switch_uses_the_bf16_forward(schedule_runs):
-    switched, plain = _val_losses(schedule_runs.switched), _val_losses(schedule_runs.plain)
+    switched, plain = val_losses(schedule_runs.switched), val_losses(schedule_runs.plain)
     assert sorted(switched) == sorted(plain) == [SWITCH, STEPS]
     np.testing.assert_array_equal(
-        _params(schedule_runs.switched, SWITCH)["embed"]["embedding"],
-        _params(schedule_runs.plain, SWITCH)["embed"]["embedding"],
+        saved_params(schedule_runs.switched, SWITCH)["embed"]["embedding"],
+        saved_params(schedule_runs.plain, SWITCH)["embed"]["embedding"],
     )  # same model at the switch: only its forward differs
     assert switched[SWITCH] != plain[SWITCH]
 
@@ -180,13 +166,13 @@ def test_the_switch_is_announced_once(schedule_runs):
 def test_resume_before_or_after_the_switch_is_bit_identical(schedule_runs, stop):
     run_dir, output = schedule_runs.resumed[stop]
     assert f"resumed from {run_dir / 'checkpoints' / str(stop)}" in output
-    assert _losses(run_dir) == _losses(schedule_runs.switched)
-    assert _val_losses(run_dir) == _val_losses(schedule_runs.switched)
+    assert train_losses(run_dir) == train_losses(schedule_runs.switched)
+    assert val_losses(run_dir) == val_losses(schedule_runs.switched)
     for step in (SWITCH + 1, STEPS):
         jax.tree.map(
             np.testing.assert_array_equal,
-            _params(run_dir, step),
-            _params(schedule_runs.switched, step),
+            saved_params(run_dir, step),
+            saved_params(schedule_runs.switched, step),
         )
     if stop < SWITCH:
         assert f"step {SWITCH}: forward GEMMs of the quantized linears now run in BF16" in output
@@ -203,8 +189,8 @@ def test_evaluate_run_uses_the_forward_of_the_checkpoint_step(schedule_runs, tmp
         shutil.rmtree(run_dir / "checkpoints" / str(later))
     row = evaluate_run(run_dir, stream=io.StringIO())
     assert row["step"] == SWITCH
-    assert row["val_loss"] == pytest.approx(_val_losses(run_dir)[SWITCH], rel=1e-6)
-    assert row["val_loss"] != pytest.approx(_val_losses(schedule_runs.plain)[SWITCH], rel=1e-6)
+    assert row["val_loss"] == pytest.approx(val_losses(run_dir)[SWITCH], rel=1e-6)
+    assert row["val_loss"] != pytest.approx(val_losses(schedule_runs.plain)[SWITCH], rel=1e-6)
 
 
 def test_evaluate_run_forward_choice_overrides_the_schedule(schedule_runs, tmp_path):
@@ -215,10 +201,8 @@ def test_evaluate_run_forward_choice_overrides_the_schedule(schedule_runs, tmp_p
     quantized = evaluate_run(run_dir, forward="quantized", stream=io.StringIO())
     bf16 = evaluate_run(run_dir, forward="bf16", stream=io.StringIO())
     # params at the switch are the plain run's: its quantized validation, and the switched one's
-    assert quantized["val_loss"] == pytest.approx(
-        _val_losses(schedule_runs.plain)[SWITCH], rel=1e-6
-    )
-    assert bf16["val_loss"] == pytest.approx(_val_losses(run_dir)[SWITCH], rel=1e-6)
+    assert quantized["val_loss"] == pytest.approx(val_losses(schedule_runs.plain)[SWITCH], rel=1e-6)
+    assert bf16["val_loss"] == pytest.approx(val_losses(run_dir)[SWITCH], rel=1e-6)
     assert (quantized["forward"], bf16["forward"]) == ("quantized", "bf16")
     with pytest.raises(ValueError, match="forward must be one of"):
         evaluate_run(run_dir, forward="fp4", stream=io.StringIO())

@@ -10,17 +10,16 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import yaml
+from run_reading import last_step, start_run, train_losses
 
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import config_from_dict
-from nvfp4_train.metrics import read_metrics
 from nvfp4_train.run import run
 
 STEPS = 60
@@ -31,23 +30,6 @@ SECTIONS = {
 }
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        rows = read_metrics(run_dir / "metrics.jsonl")
-    except (OSError, ValueError):
-        return 0
-    return max((r["step"] for r in rows if "loss" in r), default=0)
-
-
-def _start(config: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "nvfp4_train", "run", str(config)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) -> dict[str, int]:
     """`targets`: {name: (process, run_dir, step, sig)}. Sends each process its signal as soon as
     its run has logged its step (watching all at once, so a slow start of one run cannot let
@@ -56,7 +38,7 @@ def _signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) ->
     deadline = time.monotonic() + 600
     while len(seen) < len(targets):
         for name, (process, run_dir, step, sig) in targets.items():
-            last = _last_step(run_dir) if name not in seen else None
+            last = last_step(run_dir) if name not in seen else None
             if last is not None and last >= step:
                 process.send_signal(sig)
                 seen[name] = last
@@ -90,7 +72,7 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
     for name in ("reference", "killed", "terminated"):
         configs[name] = root / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(tiny_config(root / name, **SECTIONS)))
-    procs = {name: _start(path) for name, path in configs.items()}
+    procs = {name: start_run(path) for name, path in configs.items()}
     try:
         seen = _signal_each({
             "killed": (procs["killed"], root / "killed", kill_step, signal.SIGKILL),
@@ -104,7 +86,7 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
                 p.kill()
     assert procs["reference"].returncode == 0, outs["reference"][1][-3000:]
     assert procs["killed"].returncode == -signal.SIGKILL, f"kill at {kill_step} came too late"
-    resumed = {name: _start(configs[name]) for name in ("killed", "terminated")}
+    resumed = {name: start_run(configs[name]) for name in ("killed", "terminated")}
     resumed_out = {name: p.communicate(timeout=900) for name, p in resumed.items()}
     for name, p in resumed.items():
         assert p.returncode == 0, resumed_out[name][1][-3000:]
@@ -116,11 +98,11 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
 
 
 def test_sigkill_at_a_random_step_resumes_bit_identically(killed_runs):
-    reference = _losses(killed_runs.reference)
+    reference = train_losses(killed_runs.reference)
     assert [s for s, _ in reference] == list(range(1, STEPS + 1))
     assert 10 < killed_runs.killed_at < STEPS
     assert "resumed from" in killed_runs.resumed_outputs[0]
-    assert _losses(killed_runs.killed) == reference  # bit-identical floats, every step
+    assert train_losses(killed_runs.killed) == reference  # bit-identical floats, every step
 
 
 def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(killed_runs):
@@ -130,13 +112,13 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(killed_runs):
     stopped = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert killed_runs.terminated_at <= stopped < STEPS
     assert f"(step {stopped})" in killed_runs.resumed_outputs[1]  # resumed from that exact step
-    assert _losses(killed_runs.terminated) == _losses(killed_runs.reference)
+    assert train_losses(killed_runs.terminated) == train_losses(killed_runs.reference)
 
 
 def test_unreadable_and_half_written_checkpoints_are_skipped(trained_runs, tiny_config, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(trained_runs.cli_dir, run_dir)
-    before = _losses(run_dir)
+    before = train_losses(run_dir)
     ckpts = run_dir / "checkpoints"
     last = trained_runs.steps
     for path in (ckpts / str(last) / "params").rglob("*"):
@@ -150,7 +132,7 @@ def test_unreadable_and_half_written_checkpoints_are_skipped(trained_runs, tiny_
     assert f"checkpoint {ckpts.absolute() / str(last)} is unreadable" in text, text
     assert f"moved it to {last}.unreadable" in text and (ckpts / f"{last}.unreadable").is_dir()
     assert summary.start_step == 4 and "(step 4)" in text
-    assert _losses(run_dir) == before
+    assert train_losses(run_dir) == before
 
 
 class _Tiny(NamedTuple):

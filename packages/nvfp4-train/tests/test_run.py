@@ -10,15 +10,11 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from run_reading import train_losses
 
 from nvfp4_train.config import ConfigError, config_from_dict, load_config
 from nvfp4_train.metrics import read_metrics
 from nvfp4_train.run import evaluate_run, run
-
-
-def _losses(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-
 
 RUN_STEPS = 8  # conftest's trained_runs: checkpoints at 4 and 8, evaluation at 4 and 8
 
@@ -79,13 +75,13 @@ def test_checkpoints_hold_activation_amax_and_reference(trained_runs):
 
 
 def test_loss_falls(trained_runs):
-    losses = [loss for _, loss in _losses(trained_runs.api_dir)]
+    losses = [loss for _, loss in train_losses(trained_runs.api_dir)]
     assert losses[-1] < losses[0] - 0.1
 
 
 def test_rerun_with_same_seed_is_bit_identical(trained_runs):
     """The CLI run and the in-process run of one config (NVFP4, stochastic rounding) agree exactly."""
-    assert _losses(trained_runs.cli_dir) == _losses(trained_runs.api_dir)
+    assert train_losses(trained_runs.cli_dir) == train_losses(trained_runs.api_dir)
     val = [
         [
             r["val_loss"]
@@ -100,7 +96,7 @@ def test_rerun_with_same_seed_is_bit_identical(trained_runs):
 def test_resume_continues_from_checkpoint_exactly(trained_runs, tiny_config):
     """Drop the last checkpoint: rerunning resumes at step 4 and reproduces steps 5..8 exactly."""
     run_dir = trained_runs.api_dir
-    before = _losses(run_dir)
+    before = train_losses(run_dir)
     items_before = _items(run_dir / "checkpoints" / str(RUN_STEPS))
     shutil.rmtree(run_dir / "checkpoints" / str(RUN_STEPS))
     out = io.StringIO()
@@ -108,7 +104,7 @@ def test_resume_continues_from_checkpoint_exactly(trained_runs, tiny_config):
     assert (summary.start_step, summary.final_step) == (4, RUN_STEPS)
     assert "resumed from" in out.getvalue() and "(step 4)" in out.getvalue()
     assert "dropped 4 metrics rows" in out.getvalue()
-    assert _losses(run_dir) == before
+    assert train_losses(run_dir) == before
     stats, reference = _items(run_dir / "checkpoints" / str(RUN_STEPS))
     assert stats == items_before[0]  # the activation amax resumes too
     jax.tree.map(np.testing.assert_array_equal, reference, items_before[1])

@@ -8,22 +8,19 @@ import io
 import json
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import yaml
+from run_reading import last_step, saved_params, start_run, train_losses, val_losses
 
 import nvfp4_ops
 from nvfp4_ops.recipe import compose
 from nvfp4_train.cli import main
 from nvfp4_train.config import ConfigError, config_from_dict, load_config, to_dict, to_yaml
-from nvfp4_train.metrics import read_metrics
 from nvfp4_train.model import ModelConfig, linear_paths
 from nvfp4_train.policy import (
     PrecisionConfig,
@@ -320,21 +317,8 @@ def _run(tiny_config, run_dir: Path, steps: int, **precision) -> str:
     return out.getvalue()
 
 
-def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-
-
-def _val_losses(run_dir: Path) -> dict[int, float]:
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r and "loss" in r}
-
-
-def _params(run_dir: Path, step: int):
-    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "params")
-
-
 def _assert_same_params(a: Path, b: Path, step: int) -> None:
-    jax.tree.map(np.testing.assert_array_equal, _params(a, step), _params(b, step))
+    jax.tree.map(np.testing.assert_array_equal, saved_params(a, step), saved_params(b, step))
 
 
 def test_a_b_a_compiles_two_train_steps_and_says_which_phase_starts(tiny_config, tmp_path):
@@ -349,7 +333,7 @@ def test_a_b_a_compiles_two_train_steps_and_says_which_phase_starts(tiny_config,
         "step 4: precision phase 3 of 3, completed steps [4, end), starts: "
         "layers.0.* fprop bf16 -> nvfp4" in out
     )
-    assert sorted(_val_losses(tmp_path / "aba")) == [2, 4, 6]
+    assert sorted(val_losses(tmp_path / "aba")) == [2, 4, 6]
 
 
 def test_explicit_rule_trains_bit_identically_to_bf16_forward_from(tiny_config, tmp_path):
@@ -358,8 +342,8 @@ def test_explicit_rule_trains_bit_identically_to_bf16_forward_from(tiny_config, 
     explicit = _run(tiny_config, tmp_path / "explicit", 4, schedule=[rule])
     assert "step 2: forward GEMMs of the quantized linears now run in BF16" in sugar
     assert "step 2: precision phase 2 of 2, completed steps [2, end), starts:" in explicit
-    assert _losses(tmp_path / "sugar") == _losses(tmp_path / "explicit")
-    assert _val_losses(tmp_path / "sugar") == _val_losses(tmp_path / "explicit")
+    assert train_losses(tmp_path / "sugar") == train_losses(tmp_path / "explicit")
+    assert val_losses(tmp_path / "sugar") == val_losses(tmp_path / "explicit")
     _assert_same_params(tmp_path / "sugar", tmp_path / "explicit", 4)
 
 
@@ -375,19 +359,6 @@ KILL_SECTIONS = {
     "checkpoint": {"every_steps": 3, "keep": 4, "reference_sequences": 2},
     "logging": {"progress": "plain", "tensorboard": False},
 }  # fmt: skip
-
-
-def _start(config: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "nvfp4_train", "run", str(config)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        rows = read_metrics(run_dir / "metrics.jsonl")
-    except (OSError, ValueError):
-        return 0
-    return max((r["step"] for r in rows if "loss" in r), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,10 +378,10 @@ def killed_run(tmp_path_factory, tiny_config) -> KilledRun:
     for name in ("reference", "killed"):
         configs[name] = root / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(tiny_config(root / name, **KILL_SECTIONS)))
-    procs = {name: _start(path) for name, path in configs.items()}
+    procs = {name: start_run(path) for name, path in configs.items()}
     try:
         deadline = time.monotonic() + 600
-        while _last_step(root / "killed") < 4:
+        while last_step(root / "killed") < 4:
             if procs["killed"].poll() is not None or time.monotonic() > deadline:
                 out, err = procs["killed"].communicate()
                 raise AssertionError(f"the run ended before step 4: {out[-1500:]}{err[-3000:]}")
@@ -423,7 +394,7 @@ def killed_run(tmp_path_factory, tiny_config) -> KilledRun:
                 p.kill()
     assert procs["reference"].returncode == 0, outs["reference"][1][-3000:]
     assert procs["killed"].returncode == -signal.SIGKILL, "the kill came after the run's end"
-    resumed = _start(configs["killed"])
+    resumed = start_run(configs["killed"])
     out, err = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, err[-3000:]
     return KilledRun(root / "reference", outs["reference"][0], root / "killed", out)
@@ -447,10 +418,10 @@ def test_sigkill_mid_schedule_resumes_bit_identically(killed_run):
     resumed_at = int(out.split("resumed from ")[1].split("(step ")[1].split(")")[0])
     assert resumed_at in (3, 6)  # checkpoints every 3 steps, killed after step 4
     assert f"step {resumed_at}: precision phase {resumed_at // 3 + 1} of 3" in out
-    reference = _losses(killed_run.reference)
+    reference = train_losses(killed_run.reference)
     assert [s for s, _ in reference] == list(range(1, KILL_STEPS + 1))
-    assert _losses(killed_run.killed) == reference  # bit-identical floats, every step
-    assert _val_losses(killed_run.killed) == _val_losses(killed_run.reference)
+    assert train_losses(killed_run.killed) == reference  # bit-identical floats, every step
+    assert val_losses(killed_run.killed) == val_losses(killed_run.reference)
     _assert_same_params(killed_run.reference, killed_run.killed, KILL_STEPS)
 
 

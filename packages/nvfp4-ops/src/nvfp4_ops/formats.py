@@ -192,20 +192,25 @@ def _mxfp4_gemm_operand(q: Any, transposed: bool):
     return _fp4_values(q.packed), scales, jnp.float32(1.0)
 
 
-def _mxfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
-    """(underflowed blocks, saturated elements, nonzero blocks, nonzero elements) of an
-    `MXFP4Array` `q` of `x32`.
+def _mx_counts(elem_max: float) -> Callable[..., tuple[jax.Array, ...]]:
+    """The telemetry counts of an MX format whose elements saturate at `elem_max`: (underflowed
+    blocks, saturated elements, nonzero blocks, nonzero elements) of an `MXFP4Array` or
+    `MXFP8Array` `q` of `x32`.
 
     Scale 2^e with e = byte - 127; the quantizer's pre-clip value is ldexp(x, -e).
     """
-    exponent = q.scales.astype(jnp.int32) - 127
-    blocks = _blocked(x32, 32)
-    scaled = jnp.ldexp(blocks, -exponent[..., None])
-    saturated = jnp.sum(_saturated(scaled, E2M1_MAX), dtype=jnp.int32)
-    nonzero = jnp.any(blocks != 0, axis=-1)
-    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
-    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
-    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
+
+    def counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
+        exponent = q.scales.astype(jnp.int32) - 127
+        blocks = _blocked(x32, 32)
+        scaled = jnp.ldexp(blocks, -exponent[..., None])
+        saturated = jnp.sum(_saturated(scaled, elem_max), dtype=jnp.int32)
+        nonzero = jnp.any(blocks != 0, axis=-1)
+        decoded = jnp.ldexp(jnp.float32(1.0), exponent)
+        underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
+        return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
+
+    return counts
 
 
 # --- MXFP8 ----------------------------------------------------------------------------------
@@ -225,19 +230,6 @@ def _mxfp8_gemm_operand(q: Any, transposed: bool):
         raise ValueError("MXFP8 operands are 1D-blocked and cannot be reused transposed")
     scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
     return q.data, scales, jnp.float32(1.0)
-
-
-def _mxfp8_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]:
-    """(underflowed blocks, saturated elements, nonzero blocks, nonzero elements) of an
-    `MXFP8Array` `q` of `x32` (as `_mxfp4_counts`, with the E4M3 max 448)."""
-    exponent = q.scales.astype(jnp.int32) - 127
-    blocks = _blocked(x32, 32)
-    scaled = jnp.ldexp(blocks, -exponent[..., None])
-    saturated = jnp.sum(_saturated(scaled, E4M3_MAX), dtype=jnp.int32)
-    nonzero = jnp.any(blocks != 0, axis=-1)
-    decoded = jnp.ldexp(jnp.float32(1.0), exponent)
-    underflow = jnp.sum(nonzero & (decoded == 0), dtype=jnp.int32)
-    return underflow, saturated, jnp.sum(nonzero, dtype=jnp.int32), _element_count(x32)
 
 
 # --- FP8 (per-tensor current scaling) -------------------------------------------------------
@@ -300,7 +292,7 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             quantize=_quantize_mxfp4,
             dequantize=_dequantize_mxfp4,
             gemm_operand=_mxfp4_gemm_operand,
-            counts=_mxfp4_counts,
+            counts=_mx_counts(E2M1_MAX),
         ),
         "mxfp8": FormatOps(
             block_shapes=((1, 32),),
@@ -309,7 +301,7 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             quantize=_quantize_mxfp8,
             dequantize=_dequantize_mxfp8,
             gemm_operand=_mxfp8_gemm_operand,
-            counts=_mxfp8_counts,
+            counts=_mx_counts(E4M3_MAX),
         ),
         "fp8_e4m3": FormatOps(**_FP8),
         "fp8_e5m2": FormatOps(**_FP8),

@@ -1,0 +1,42 @@
+"""Reading a finished or running `nvfp4-train run` directory back, for the tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+from nvfp4_train.metrics import read_metrics
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, training loss) of every metrics row of the run."""
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    """{step: validation loss} of the training rows (`eval` rows left out)."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r and "loss" in r}
+
+
+def saved_params(run_dir: Path, step: int):
+    """The `params` item of the run's checkpoint at `step`."""
+    return ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "params")
+
+
+def last_step(run_dir: Path) -> int:
+    """The last step the run has logged a loss for (0 before its first row)."""
+    try:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+    except (OSError, ValueError):
+        return 0
+    return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+def start_run(config: Path) -> subprocess.Popen:
+    """`nvfp4-train run CONFIG` as a child process (stdout and stderr piped)."""
+    command = [sys.executable, "-m", "nvfp4_train", "run", str(config)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
