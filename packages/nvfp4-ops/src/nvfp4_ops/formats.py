@@ -180,16 +180,22 @@ def _quantize_mxfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
     return nvfp4_format.quantize_mxfp4(x, MXFP4_SCALE_RULE, rounding=tq.rounding, uniform=uniform)
 
 
-def _dequantize_mxfp4(q: Any, dtype) -> jax.Array:
-    """`nvfp4_format.dequantize_mxfp4` behind an optimization barrier (as for NVFP4)."""
-    return nvfp4_format.dequantize_mxfp4(jax.lax.optimization_barrier(q), dtype)
+def _mx_dequantize(decode: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], jax.Array]:
+    """An MX format's decode (`nvfp4_format.dequantize_mxfp4` / `_mxfp8`) behind an
+    optimization barrier (as for NVFP4)."""
+    return lambda q, dtype: decode(jax.lax.optimization_barrier(q), dtype)
 
 
-def _mxfp4_gemm_operand(q: Any, transposed: bool):
-    if transposed:
-        raise ValueError("MXFP4 operands are 1D-blocked and cannot be reused transposed")
-    scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
-    return _fp4_values(q.packed), scales, jnp.float32(1.0)
+def _mx_gemm_operand(name: str, values: Callable[[Any], jax.Array]) -> Callable[..., Any]:
+    """An MX format's GEMM operand: `values(q)` [B, P, C], its E8M0 scales, global scale 1."""
+
+    def operand(q: Any, transposed: bool):
+        if transposed:
+            raise ValueError(f"{name} operands are 1D-blocked and cannot be reused transposed")
+        scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
+        return values(q), scales, jnp.float32(1.0)
+
+    return operand
 
 
 def _mx_counts(elem_max: float) -> Callable[..., tuple[jax.Array, ...]]:
@@ -218,18 +224,6 @@ def _mx_counts(elem_max: float) -> Callable[..., tuple[jax.Array, ...]]:
 
 def _quantize_mxfp8(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
     return nvfp4_format.quantize_mxfp8(x, MXFP8_SCALE_RULE)
-
-
-def _dequantize_mxfp8(q: Any, dtype) -> jax.Array:
-    """`nvfp4_format.dequantize_mxfp8` behind an optimization barrier (as for MXFP4)."""
-    return nvfp4_format.dequantize_mxfp8(jax.lax.optimization_barrier(q), dtype)
-
-
-def _mxfp8_gemm_operand(q: Any, transposed: bool):
-    if transposed:
-        raise ValueError("MXFP8 operands are 1D-blocked and cannot be reused transposed")
-    scales = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
-    return q.data, scales, jnp.float32(1.0)
 
 
 # --- FP8 (per-tensor current scaling) -------------------------------------------------------
@@ -290,8 +284,8 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             stochastic=True,
             quantized=True,
             quantize=_quantize_mxfp4,
-            dequantize=_dequantize_mxfp4,
-            gemm_operand=_mxfp4_gemm_operand,
+            dequantize=_mx_dequantize(nvfp4_format.dequantize_mxfp4),
+            gemm_operand=_mx_gemm_operand("MXFP4", lambda q: _fp4_values(q.packed)),
             counts=_mx_counts(E2M1_MAX),
         ),
         "mxfp8": FormatOps(
@@ -299,8 +293,8 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             stochastic=False,
             quantized=True,
             quantize=_quantize_mxfp8,
-            dequantize=_dequantize_mxfp8,
-            gemm_operand=_mxfp8_gemm_operand,
+            dequantize=_mx_dequantize(nvfp4_format.dequantize_mxfp8),
+            gemm_operand=_mx_gemm_operand("MXFP8", lambda q: q.data),
             counts=_mx_counts(E4M3_MAX),
         ),
         "fp8_e4m3": FormatOps(**_FP8),
