@@ -98,7 +98,8 @@ class PrecisionConfig:
 
     Attributes:
         recipe: `nvfp4_ops` preset for the quantized linears ("nvfp4", "nvfp4-no-rht",
-            "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-naive", "mxfp4", "fp8", "bf16").
+            "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-naive", "nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd",
+            "nvfp4-per-token", "mxfp4", "fp8", "bf16").
         backend: which `nvfp4_ops` backend runs the quantized GEMMs: "auto" (TE on sm_100+
             GPUs, falling back per call to "xla" on GPUs and "emulated" elsewhere), "emulated",
             "xla", "te", or a comma-separated order such as "te,emulated".
