@@ -30,16 +30,13 @@ import yaml
 
 from nvfp4_train.data import DataConfig
 from nvfp4_train.distributed import DistributedConfig
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.health import QuantHealthConfig
 from nvfp4_train.hf_config import HFConfigError, fill_data_section, fill_model_section
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.policy import PrecisionConfig
 from nvfp4_train.sharding import MeshConfig
-
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or an override (unknown key, wrong type, bad syntax)."""
 
 
 def _check_min(section: str, name: str, value: int, minimum: int) -> None:

@@ -1,7 +1,7 @@
 """Errors a run raises for the command line to report in one line (see `nvfp4_train.cli`).
 
 The project's error types, and what `nvfp4-train` does with each: a user mistake
-(`config.ConfigError`, `DataError`, `hf_config.HFConfigError`: `cli.USER_ERRORS`) prints one
+(`ConfigError`, `DataError`, `hf_config.HFConfigError`: `cli.USER_ERRORS`) prints one
 `error:` line and exits 2; a run that cannot go on (`RunError` and its subclasses
 `hf_weights.HFImportError`, `checkpoint.NonFiniteState`) prints one and exits 1. Any other
 exception is a bug and keeps its traceback. (`checkpoint.CorruptCheckpoint` never reaches the
@@ -9,6 +9,12 @@ CLI: `nvfp4_train.resume` passes over an unreadable checkpoint.)
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or an override (unknown key, wrong type, bad syntax, a
+    rule or override that matches no linear): the CLI prints the message and exits with status 2.
+    (Also `nvfp4_train.config.ConfigError`.)"""
 
 
 class RunError(RuntimeError):

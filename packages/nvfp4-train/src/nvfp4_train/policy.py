@@ -31,6 +31,7 @@ import math
 import re
 
 import nvfp4_ops
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.model import LINEAR_NAMES, ModelConfig, layer_layout, linear_paths
 from nvfp4_train.schedule import (
     GEMMS,
@@ -264,7 +265,7 @@ def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -
         pattern, recipe = _parse_override(text)
         matched = [path for path in names if pattern.fullmatch(path)]
         if not matched:
-            raise ValueError(
+            raise ConfigError(
                 f"precision.overrides entry {text!r} matches no linear; paths look like "
                 f"{linear_paths(model_cfg)[:4]}"
             )

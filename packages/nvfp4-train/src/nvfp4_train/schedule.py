@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import nvfp4_ops
 from nvfp4_ops.recipe import compose
+from nvfp4_train.errors import ConfigError
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 """The three GEMMs of a linear, in the order of `PrecisionPhase.names` triples."""
@@ -147,13 +148,13 @@ def resolve_rule(rule: ScheduleRule, index: int, paths: Sequence[str], total_ste
     `total_steps` steps.
 
     Raises:
-        ValueError: the regex matches no linear, or the window is empty once resolved.
+        ConfigError: the regex matches no linear, or the window is empty once resolved.
     """
     source = f"precision.schedule[{index}]"
     pattern = re.compile(rule.layers)
     matched = tuple(p for p in paths if pattern.fullmatch(p))
     if not matched:
-        raise ValueError(
+        raise ConfigError(
             f"{source} (layers={rule.layers!r}) matches no linear; paths look like "
             f"{list(paths[:4])}"
         )
@@ -161,7 +162,7 @@ def resolve_rule(rule: ScheduleRule, index: int, paths: Sequence[str], total_ste
     stop = None if rule.until is None else step_of(rule.until, total_steps)
     if start >= (total_steps if stop is None else stop):
         until = "null (the end)" if rule.until is None else repr(rule.until)
-        raise ValueError(
+        raise ConfigError(
             f"{source}: from={rule.from_!r} until={until} is the empty window "
             f"[{start}, {total_steps if stop is None else stop}) of train.steps={total_steps}; "
             "from must be < until"
