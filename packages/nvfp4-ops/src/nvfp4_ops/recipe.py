@@ -126,7 +126,8 @@ DEFAULTS_TO = MappingProxyType(
 )
 """Role -> the role whose settings it takes when it is None (the first three: themselves)."""
 
-_OPTIONAL_ROLES = ("dgrad_weight", "wgrad_input", "wgrad_grad")
+OPTIONAL_ROLES = ("dgrad_weight", "wgrad_input", "wgrad_grad")
+"""The roles that default to another (`DEFAULTS_TO`): None means "as that one"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,7 @@ class Recipe:
             tq = getattr(self, role)
             if not isinstance(tq, TensorQuant):
                 raise TypeError(f"Recipe.{role} must be a TensorQuant, got {type(tq).__name__}")
-        for role in _OPTIONAL_ROLES:
+        for role in OPTIONAL_ROLES:
             default, tq = DEFAULTS_TO[role], getattr(self, role)
             if tq is not None and not isinstance(tq, TensorQuant):
                 raise TypeError(

@@ -32,7 +32,7 @@ import numpy as np
 from nvfp4_ops.canonical import Layout, from_canonical, pad_to, to_canonical
 from nvfp4_ops.gemm_table import split_keys
 from nvfp4_ops.qdot import named_residuals
-from nvfp4_ops.recipe import Recipe
+from nvfp4_ops.recipe import OPTIONAL_ROLES, Recipe
 
 TE_MIN_VERSION = (2, 14)
 """The oldest TransformerEngine release whose API and reference numerics the conformance session
@@ -133,7 +133,7 @@ def te_unsupported(recipe: Recipe, batch: int = 1, dtype: np.dtype | None = None
                 f"TE's JAX NVFP4BlockScaling has one outer scale per tensor; {role} uses "
                 f"outer_scale={tq.outer_scale!r}"
             )
-    separate = [r for r in ("dgrad_weight", "wgrad_input", "wgrad_grad") if getattr(recipe, r)]
+    separate = [r for r in OPTIONAL_ROLES if getattr(recipe, r) is not None]
     if separate:
         return (
             f"TE quantizes each tensor's two orientations alike; this recipe sets "
