@@ -9,16 +9,16 @@ from safetensors import TensorSpec, serialize_file
 from safetensors.numpy import save_file
 
 import nvfp4_format as nf
+from nvfp4_format.block_statistics import block_scale_statistics, code_statistics
 from nvfp4_format.inspection import (
     LAYOUT_CT_MXFP4,
     LAYOUT_CT_NVFP4,
     LAYOUT_MODELOPT_NVFP4,
-    block_scale_statistics,
-    code_statistics,
-    detect_quantized_modules,
     inspect_module,
 )
-from nvfp4_format.safetensors_file import TensorInfo, read_safetensors_header, read_tensor
+from nvfp4_format.layout_detection import detect_quantized_modules
+from nvfp4_format.safetensors_file import read_tensor
+from nvfp4_format.safetensors_header import TensorInfo, read_safetensors_header
 
 OUT, IN = 24, 64
 

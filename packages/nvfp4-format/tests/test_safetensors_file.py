@@ -10,14 +10,9 @@ import pytest
 from safetensors import SafetensorError, TensorSpec, serialize_file
 from safetensors.numpy import load_file, save_file
 
-from nvfp4_format.safetensors_file import (
-    DTYPE_TAGS,
-    load_safetensors,
-    read_safetensors_header,
-    read_safetensors_index,
-    read_tensor,
-    read_tensor_bytes,
-)
+from nvfp4_format.safetensors_file import load_safetensors, read_tensor, read_tensor_bytes
+from nvfp4_format.safetensors_header import DTYPE_TAGS, read_safetensors_header
+from nvfp4_format.safetensors_index import read_safetensors_index
 
 TAG_OF_DTYPE = {
     np.float64: "F64",

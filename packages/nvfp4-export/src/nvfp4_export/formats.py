@@ -159,7 +159,7 @@ FORMATS: Mapping[str, ExportFormat] = MappingProxyType({f.name: f for f in (NVFP
 FORMAT_OF_LAYOUT: Mapping[str, str] = MappingProxyType(
     {names.layout: f.name for f in FORMATS.values() for names in f.layouts.values()}
 )
-"""`nvfp4_format.inspection` layout name ("modelopt-nvfp4", ...) -> format name."""
+"""`nvfp4_format.layout_detection` layout name ("modelopt-nvfp4", ...) -> format name."""
 
 
 def layout_names(fmt: str, layout: str) -> LayoutNames:

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
+from nvfp4_export.dense_names import DenseTensor, dense_entries
 from nvfp4_export.errors import ExportError
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
@@ -66,19 +67,28 @@ def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | 
 
 def hf_dense_names(spec: LlamaSpec) -> list[str]:
     """Names of the tensors an export stores in BF16 besides the linears' weights: embeddings,
-    norms (q/k norms included), biases and lm_head."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    names += [] if spec.tie_embeddings else ["lm_head.weight"]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if spec.qkv_bias:
-            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
-        if spec.o_bias:
-            names.append(p + "self_attn.o_proj.bias")
-        if spec.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return names
+    norms (q/k norms included), biases and lm_head; the model-wide ones first, then layer by
+    layer."""
+    entries = sorted(dense_entries(spec), key=lambda t: t.layer is not None)
+    return [name for t in entries for name in dense_hf_names(spec, t)]
+
+
+def dense_hf_names(spec: LlamaSpec, t: DenseTensor) -> list[str]:
+    """The HF names of placed entry `t`: its `hf_name`, or for a fused linear's bias that name in
+    each of the linear's HF modules, in `hf_modules` order (q, k, v)."""
+    if t.fused_linear is None:
+        return [t.hf_name]
+    return [f"{module}.{t.hf_name}" for module, _ in hf_modules(spec, t.fused_linear)]
+
+
+def _as_stored(spec: LlamaSpec, t: DenseTensor, param: np.ndarray) -> dict[str, np.ndarray]:
+    """Training parameter `param` of placed entry `t` under its HF names, as stored: transposed
+    when `t.transposed`, cut into each HF module's rows when `t.fused_linear`."""
+    value = param.T if t.transposed else param
+    if t.fused_linear is None:
+        return {t.hf_name: value}
+    rows = [n for _, n in hf_modules(spec, t.fused_linear)]
+    return dict(zip(dense_hf_names(spec, t), np.split(value, np.cumsum(rows)[:-1]), strict=True))
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -87,26 +97,12 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Embeddings, norms, biases and lm_head in BF16 under their HF names (a fused q|k|v bias
-    split like its kernel)."""
-    out = {"model.embed_tokens.weight": _bf16(params["embed.embedding"])}
-    for i in range(spec.num_layers):
-        p, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = _bf16(params[p + "attn_norm.scale"])
-        out[hf + "post_attention_layernorm.weight"] = _bf16(params[p + "mlp_norm.scale"])
-        if spec.qkv_bias:
-            bias, start = params[p + "attn.qkv.bias"], 0
-            for name, rows in hf_modules(spec, p + "attn.qkv"):
-                out[name + ".bias"] = _bf16(bias[start : start + rows])
-                start += rows
-        if spec.o_bias:
-            out[hf + "self_attn.o_proj.bias"] = _bf16(params[p + "attn.o.bias"])
-        if spec.qk_norm:
-            out[hf + "self_attn.q_norm.weight"] = _bf16(params[p + "attn.q_norm.scale"])
-            out[hf + "self_attn.k_norm.weight"] = _bf16(params[p + "attn.k_norm.scale"])
-    out["model.norm.weight"] = _bf16(params["final_norm.scale"])
-    if not spec.tie_embeddings:
-        out["lm_head.weight"] = _bf16(params["lm_head.kernel"].T)
-    return out
+    split like its kernel), in model order."""
+    return {
+        name: _bf16(value)
+        for t in dense_entries(spec)
+        for name, value in _as_stored(spec, t, params[t.param]).items()
+    }
 
 
 def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> dict:

@@ -141,14 +141,14 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
 
 
 def _file_problems(loaded: LoadedExport) -> list[str]:
-    from nvfp4_format.safetensors_file import read_safetensors_header
+    from nvfp4_format.safetensors_header import read_safetensors_header
 
     problems = []
     for file in loaded.files:
         if read_safetensors_header(loaded.path / file).metadata.get("format") != "pt":
             problems.append(f"{file}: safetensors metadata lacks format=pt")
     if (loaded.path / INDEX_FILE).is_file():
-        from nvfp4_format.safetensors_file import read_safetensors_index
+        from nvfp4_format.safetensors_index import read_safetensors_index
 
         index = read_safetensors_index(loaded.path / INDEX_FILE)
         if set(index.weight_map) != set(loaded.tensors):

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from nvfp4_export.dense_names import EMBED, LAYER_TENSORS, MODEL_TENSORS
 from nvfp4_export.errors import ExportError
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
@@ -127,27 +128,28 @@ class LlamaSpec:
         """`layers.{i}.attn.qkv`, ... for every quantizable linear, in model order."""
         return [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LINEAR_NAMES]
 
+    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        """`dense_names` key (per-layer ones unplaced: "attn_norm", ...) -> its parameter's shape."""
+        d, v, k = self.d_model, self.vocab_size, self.head_dim
+        return {
+            "embed": (v, d), "final_norm": (d,), "lm_head": (d, v),
+            "attn_norm": (d,), "mlp_norm": (d,), "qkv_bias": (sum(self.qkv_split),),
+            "o_bias": (d,), "q_norm": (k,), "k_norm": (k,),
+        }  # fmt: skip
+
     def expected_params(self) -> dict[str, tuple[int, ...]]:
         """Parameter path -> shape, exactly the tree the training model has."""
-        d, f, v = self.d_model, self.mlp_dim, self.vocab_size
-        shapes = {"embed.embedding": (v, d), "final_norm.scale": (d,)}
-        if not self.tie_embeddings:
-            shapes["lm_head.kernel"] = (d, v)
+        d, f, dense = self.d_model, self.mlp_dim, self._dense_shapes()
+        shapes = {t.param: dense[t.key] for t in MODEL_TENSORS if t.exists(self)}
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            shapes[p + "attn_norm.scale"] = (d,)
-            shapes[p + "mlp_norm.scale"] = (d,)
             shapes[p + "attn.qkv.kernel"] = (d, sum(self.qkv_split))
             shapes[p + "attn.o.kernel"] = (self.num_heads * self.head_dim, d)
             shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
             shapes[p + "mlp.down.kernel"] = (f, d)
-            if self.qkv_bias:
-                shapes[p + "attn.qkv.bias"] = (sum(self.qkv_split),)
-            if self.o_bias:
-                shapes[p + "attn.o.bias"] = (d,)
-            if self.qk_norm:
-                shapes[p + "attn.q_norm.scale"] = (self.head_dim,)
-                shapes[p + "attn.k_norm.scale"] = (self.head_dim,)
+            for t in LAYER_TENSORS:
+                if t.exists(self):
+                    shapes[t.in_layer(i).param] = dense[t.key]
         return shapes
 
 
@@ -162,12 +164,12 @@ def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> L
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         raise ExportError("the checkpoint config has no 'model' section")
-    if "embed.embedding" not in params:
-        raise ExportError(f"params lack 'embed.embedding'; have {sorted(params)[:6]}...")
+    if EMBED.param not in params:
+        raise ExportError(f"params lack {EMBED.param!r}; have {sorted(params)[:6]}...")
     try:
         heads = int(model["num_heads"])
         spec = LlamaSpec(
-            vocab_size=int(params["embed.embedding"].shape[0]),
+            vocab_size=int(params[EMBED.param].shape[0]),
             d_model=int(model["d_model"]),
             num_layers=int(model["num_layers"]),
             num_heads=heads,

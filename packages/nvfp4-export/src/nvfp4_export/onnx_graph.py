@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import nvfp4_format
+from nvfp4_export.dense_names import EMBED, FINAL_NORM, LM_HEAD, layer_tensor
 from nvfp4_export.formats import BF16, FORMATS
 from nvfp4_export.linears import ExportedLinear
 from nvfp4_export.model_spec import LlamaSpec
@@ -158,19 +159,22 @@ def _linear(g: _Graph, x: str, m: ExportedLinear, form: str, dense=None) -> str:
 def _block(g, spec, i, x, mods, dense, tables, form):
     cos, sin, mask = tables
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    h = _rms_norm(g, x, dense[f"model.layers.{i}.input_layernorm.weight"], spec.rms_norm_eps)
+
+    def norm(t, key):
+        return _rms_norm(g, t, dense[layer_tensor(key, i).hf_name], spec.rms_norm_eps)
+
+    h = norm(x, "attn_norm")
     p = f"model.layers.{i}."
     heads = lambda t, n: g.op("Reshape", [t, g.const("shape", np.array([0, 0, n, hd], np.int64))])  # noqa: E731
     q = heads(_linear(g, h, mods[p + "self_attn.q_proj"], form, dense), nh)
     k = heads(_linear(g, h, mods[p + "self_attn.k_proj"], form, dense), nkv)
     if spec.qk_norm:
-        q = _rms_norm(g, q, dense[p + "self_attn.q_norm.weight"], spec.rms_norm_eps)
-        k = _rms_norm(g, k, dense[p + "self_attn.k_norm.weight"], spec.rms_norm_eps)
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
     q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
     v = heads(_linear(g, h, mods[p + "self_attn.v_proj"], form, dense), nkv)
     att = _attention(g, spec, q, k, v, mask)
     x = g.op("Add", [x, _linear(g, att, mods[p + "self_attn.o_proj"], form, dense)])
-    h = _rms_norm(g, x, dense[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
+    h = norm(x, "mlp_norm")
     gate = _linear(g, h, mods[p + "mlp.gate_proj"], form)
     up = _linear(g, h, mods[p + "mlp.up_proj"], form)
     hidden = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
@@ -224,12 +228,12 @@ def build_onnx(
     g = _Graph(onnx)
     mods = {m.name: m for m in linears}
     tables = _tables(g, spec, "input_ids")
-    embed = _bf16_const(g, "embed", dense["model.embed_tokens.weight"])
+    embed = _bf16_const(g, "embed", dense[EMBED.hf_name])
     x = g.op("Gather", [embed, "input_ids"])
     for i in range(spec.num_layers):
         x = _block(g, spec, i, x, mods, dense, tables, form)
-    x = _rms_norm(g, x, dense["model.norm.weight"], spec.rms_norm_eps)
-    head = dense["model.embed_tokens.weight"] if spec.tie_embeddings else dense["lm_head.weight"]
+    x = _rms_norm(g, x, dense[FINAL_NORM.hf_name], spec.rms_norm_eps)
+    head = dense[(LM_HEAD if LM_HEAD.exists(spec) else EMBED).hf_name]
     head_t = g.op("Transpose", [_bf16_const(g, "lm_head", head)], perm=[1, 0])
     g.nodes.append(g.h.make_node("MatMul", [x, head_t], ["logits"]))
     graph = g.h.make_graph(

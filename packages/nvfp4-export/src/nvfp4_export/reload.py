@@ -12,17 +12,32 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_export.checkpoint import Checkpoint, read_json
+from nvfp4_export.dense_names import (
+    EMBED,
+    FINAL_NORM,
+    LAYER_TENSORS,
+    LM_HEAD,
+    DenseTensor,
+    dense_entries,
+    layer_tensor,
+)
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
-from nvfp4_export.hf_files import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from nvfp4_export.hf_files import (
+    CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    dense_hf_names,
+)
 from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
 from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
 from nvfp4_export.output_dir import MANIFEST
 from nvfp4_export.policy import weight_format
-from nvfp4_format.inspection import QuantizedModule, detect_quantized_modules
+from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
-from nvfp4_format.safetensors_file import DTYPE_TAGS, TensorInfo
+from nvfp4_format.safetensors_header import DTYPE_TAGS, TensorInfo
 
 PROVENANCE_FILE = MANIFEST
 _TAGS = {dtype: tag for tag, dtype in DTYPE_TAGS.items() if tag != "F4"}
@@ -59,7 +74,7 @@ class LoadedExport:
 
     @functools.cached_property
     def quantized_modules(self) -> Mapping[str, QuantizedModule]:
-        """Module name -> its FP4 tensors, as `nvfp4_format.inspection` detects them."""
+        """Module name -> its FP4 tensors, as `nvfp4_format.layout_detection` detects them."""
         return {q.module: q for q in detect_quantized_modules(tensor_infos(self.tensors))}
 
 
@@ -179,7 +194,7 @@ def forward_weights(
     """
     layers = []
     for i in range(spec.num_layers):
-        layer = {n: dense[f"layers.{i}.{n}"] for n in dense_layer_names(spec)}
+        layer = {n: dense[layer_tensor(n, i).key] for n in dense_layer_names(spec)}
         for kind in LINEAR_NAMES:
             source = f"layers.{i}.{kind}"
             mods = linears[source]
@@ -188,44 +203,26 @@ def forward_weights(
             )
         layers.append(layer)
     return ForwardWeights(
-        spec, dense["embed"], dense["final_norm"], dense["lm_head"], tuple(layers)
+        spec, dense[EMBED.key], dense[FINAL_NORM.key], dense[LM_HEAD.key], tuple(layers)
     )
-
-
-DENSE_LAYER_PARAMS = {
-    "attn_norm": "attn_norm.scale",
-    "mlp_norm": "mlp_norm.scale",
-    "qkv_bias": "attn.qkv.bias",
-    "o_bias": "attn.o.bias",
-    "q_norm": "attn.q_norm.scale",
-    "k_norm": "attn.k_norm.scale",
-}
-"""`ForwardWeights` layer key -> the training parameter (relative to `layers.{i}`)."""
 
 
 def dense_layer_names(spec: LlamaSpec) -> list[str]:
     """The `ForwardWeights` layer keys of the spec's non-linear tensors (norms, biases)."""
-    names = ["attn_norm", "mlp_norm"]
-    names += ["qkv_bias"] * spec.qkv_bias + ["o_bias"] * spec.o_bias
-    return names + ["q_norm", "k_norm"] * spec.qk_norm
+    return [t.key for t in LAYER_TENSORS if t.exists(spec)]
 
 
-def _hf_dense_layer(spec: LlamaSpec, i: int, f32) -> dict[str, np.ndarray]:
-    """The layer's norms and biases read from an export's tensors (q|k|v biases fused)."""
-    hf = f"model.layers.{i}."
-    out = {
-        "attn_norm": f32(hf + "input_layernorm.weight"),
-        "mlp_norm": f32(hf + "post_attention_layernorm.weight"),
-    }
-    if spec.qkv_bias:
-        names = [n for n, _ in hf_modules(spec, f"layers.{i}.attn.qkv")]
-        out["qkv_bias"] = np.concatenate([f32(n + ".bias") for n in names])
-    if spec.o_bias:
-        out["o_bias"] = f32(hf + "self_attn.o_proj.bias")
-    if spec.qk_norm:
-        out["q_norm"] = f32(hf + "self_attn.q_norm.weight")
-        out["k_norm"] = f32(hf + "self_attn.k_norm.weight")
-    return out
+def _with_tied_head(spec: LlamaSpec, dense: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`dense` with its lm_head: the embedding itself when the spec ties them (no `LM_HEAD`)."""
+    return dense if LM_HEAD.exists(spec) else {**dense, LM_HEAD.key: dense[EMBED.key]}
+
+
+def _from_hf(spec: LlamaSpec, t: DenseTensor, f32) -> np.ndarray:
+    """Placed entry `t` as `ForwardWeights` holds it, read from the export by `f32(name)`
+    (a fused linear's bias concatenated over its HF modules)."""
+    if t.fused_linear is None:
+        return f32(t.hf_name)
+    return np.concatenate([f32(name) for name in dense_hf_names(spec, t)])
 
 
 def weights_from_checkpoint(
@@ -237,12 +234,8 @@ def weights_from_checkpoint(
         path: export_linear(spec, path, p[f"{path}.kernel"], recipes[path], input_amax.get(path))
         for path in spec.linear_paths()
     }
-    dense = {"embed": p["embed.embedding"], "final_norm": p["final_norm.scale"]}
-    dense["lm_head"] = p["embed.embedding"] if spec.tie_embeddings else p["lm_head.kernel"].T
-    for i in range(spec.num_layers):
-        for n in dense_layer_names(spec):
-            dense[f"layers.{i}.{n}"] = p[f"layers.{i}.{DENSE_LAYER_PARAMS[n]}"]
-    return forward_weights(spec, linears, recipes, dense)
+    dense = {t.key: p[t.param].T if t.transposed else p[t.param] for t in dense_entries(spec)}
+    return forward_weights(spec, linears, recipes, _with_tied_head(spec, dense))
 
 
 def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
@@ -260,12 +253,8 @@ def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
     for source in spec.linear_paths():
         mods = [linear_from_tensors(loaded, n, source) for n, _ in hf_modules(spec, source)]
         linears[source] = [dataclasses.replace(m, input_amax=amax.get(source)) for m in mods]
-    dense = {"embed": f32("model.embed_tokens.weight"), "final_norm": f32("model.norm.weight")}
-    dense["lm_head"] = dense["embed"] if spec.tie_embeddings else f32("lm_head.weight")
-    for i in range(spec.num_layers):
-        for n, value in _hf_dense_layer(spec, i, f32).items():
-            dense[f"layers.{i}.{n}"] = value
-    return forward_weights(spec, linears, recipes, dense)
+    dense = {entry.key: _from_hf(spec, entry, f32) for entry in dense_entries(spec)}
+    return forward_weights(spec, linears, recipes, _with_tied_head(spec, dense))
 
 
 def _bf16_round(a: np.ndarray) -> np.ndarray:

@@ -10,23 +10,18 @@ Example:
   True
 """
 
+from nvfp4_format._block_scaling import E4M3_MAX
 from nvfp4_format._pytree import register_jax_pytrees
 from nvfp4_format.checkpoint_report import CheckpointReport, inspect_checkpoint
 from nvfp4_format.e2m1 import E2M1_MAX, E2M1_VALUES, decode_e2m1, encode_e2m1
 from nvfp4_format.four_over_six import FOUR_OVER_SIX_E4M3_MAX
 from nvfp4_format.mxfp4 import MXFP4Array, dequantize_mxfp4, quantize_mxfp4
 from nvfp4_format.mxfp8 import MXFP8Array, dequantize_mxfp8, quantize_mxfp8
-from nvfp4_format.nvfp4 import (
-    E4M3_MAX,
-    NVFP4Array,
-    dequantize,
-    global_decode_scale,
-    global_encode_scale,
-    has_nonfinite,
-    quantize,
-)
+from nvfp4_format.nvfp4 import NVFP4Array, dequantize, has_nonfinite, quantize
+from nvfp4_format.outer_scale import global_decode_scale, global_encode_scale
 from nvfp4_format.packing import pack_fp4, unpack_fp4
-from nvfp4_format.safetensors_file import load_safetensors, read_safetensors_header, read_tensor
+from nvfp4_format.safetensors_file import load_safetensors, read_tensor
+from nvfp4_format.safetensors_header import read_safetensors_header
 from nvfp4_format.swizzle import swizzle_scales, unswizzle_scales
 
 __version__ = "0.1.0"

@@ -22,18 +22,12 @@ from nvfp4_format.inspection import (
     LAYOUT_CT_NVFP4,
     LAYOUT_MODELOPT_NVFP4,
     QuantizedTensorReport,
-    detect_quantized_modules,
     inspect_module,
 )
-from nvfp4_format.safetensors_file import (
-    SafetensorsHeader,
-    SafetensorsIndex,
-    TensorInfo,
-    read_safetensors_header,
-    read_safetensors_index,
-    read_tensor,
-    read_tensor_bytes,
-)
+from nvfp4_format.layout_detection import detect_quantized_modules
+from nvfp4_format.safetensors_file import read_tensor, read_tensor_bytes
+from nvfp4_format.safetensors_header import SafetensorsHeader, TensorInfo, read_safetensors_header
+from nvfp4_format.safetensors_index import SafetensorsIndex, read_safetensors_index
 
 __all__ = ["CheckpointReport", "declared_layouts", "inspect_checkpoint"]
 

@@ -60,6 +60,21 @@ FOUR_OVER_SIX_E4M3_MAX = 256.0
 _F32_MAX_BITS = 0x7F7FFFFF
 
 
+def check_block_scale_rule(block_scale_rule: str, error_metric: str = "mse") -> None:
+    """ValueError for an unknown rule or metric, or a metric other than "mse" without "4over6"."""
+    if block_scale_rule not in BLOCK_SCALE_RULES:
+        raise ValueError(
+            f"block_scale_rule must be one of {BLOCK_SCALE_RULES}, got {block_scale_rule!r}"
+        )
+    if error_metric not in ERROR_METRICS:
+        raise ValueError(f"error_metric must be one of {ERROR_METRICS}, got {error_metric!r}")
+    if block_scale_rule != "4over6" and error_metric != "mse":
+        raise ValueError(
+            f"error_metric={error_metric!r} only applies to block_scale_rule='4over6', "
+            f"got block_scale_rule={block_scale_rule!r}"
+        )
+
+
 def select_block_scales(
     xp: Any,
     x: Any,

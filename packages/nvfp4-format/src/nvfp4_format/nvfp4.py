@@ -16,7 +16,8 @@ from two candidates (block amax -> 6 or -> 4); see `nvfp4_format.four_over_six`.
 `quantize(..., outer_scale="row")` (1x16 blocks only) keeps one outer scale per ROW (per index of
 the leading axes; "per token" for activations, as TransformerEngine's row-scaled NVFP4): amax,
 s_enc and s_dec above are then taken per row, over the last axis, and `global_scale` is [..., 1].
-Everything else is unchanged, so each row is exactly the quantization of that row on its own.
+Everything else is unchanged, so each row is exactly the quantization of that row on its own
+(`nvfp4_format.outer_scale`).
 
 One deliberate choice beyond the formulas: in a block whose scale `sb` is zero (an all-zero block, or
 one whose amax is below ~2.2e-6 of the tensor amax and flushes) every code is 0. The formulas alone
@@ -36,14 +37,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from nvfp4_format._block_scaling import (
-    BLOCK_SIZE,
-    E4M3_MAX,
-    FLT_MAX,
-    block_encode_scales,
-    e4m3_block_scales,
-    row_chunks,
-)
+from nvfp4_format._block_encoding import encode_blocks, per_block_amax
+from nvfp4_format._block_scaling import BLOCK_SIZE, e4m3_block_scales
 from nvfp4_format._namespace import (
     check_fields,
     check_finite,
@@ -55,18 +50,12 @@ from nvfp4_format._namespace import (
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
-from nvfp4_format.e2m1 import E2M1_MAX, _encode_bits
-from nvfp4_format.four_over_six import (
-    BLOCK_SCALE_RULES,
-    ERROR_METRICS,
-    FOUR_OVER_SIX_E4M3_MAX,
-    select_block_scales,
-)
-from nvfp4_format.packing import decode_packed, pack_pairs, unpack_fp4
+from nvfp4_format.e2m1 import E2M1_MAX
+from nvfp4_format.four_over_six import check_block_scale_rule, select_block_scales
+from nvfp4_format.outer_scale import check_outer_scale, global_encode_scale, outer_amax
+from nvfp4_format.packing import decode_packed, unpack_fp4
 
 BLOCK_SHAPES = ((1, 16), (16, 16))
-OUTER_SCALES = ("tensor", "row")
-"""`quantize(outer_scale=...)`: one FP32 decode scale per tensor, or one per row [..., 1]."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -145,29 +134,6 @@ class NVFP4Array:
 register_dataclass(NVFP4Array, ["packed", "block_scales", "global_scale"], ["shape", "block_shape"])
 
 
-def global_encode_scale(amax: Any, *, block_scale_rule: str = "max") -> Any:
-    """s_enc = min(6 * 448 / amax, FLT_MAX) in float32; 1.0 where amax is 0 or not finite.
-
-    With `block_scale_rule="4over6"` the constant is 6 * 256 = 1536 instead of 6 * 448 = 2688
-    (Four Over Six keeps 1.5x headroom so that a block scale amax_block / 4 still fits E4M3).
-    """
-    _check_block_scale_rule(block_scale_rule)
-    e4m3_max = FOUR_OVER_SIX_E4M3_MAX if block_scale_rule == "4over6" else E4M3_MAX
-    xp = namespace(amax)
-    amax = xp.asarray(amax, dtype=xp.float32)
-    usable = (amax > 0) & xp.isfinite(amax)
-    safe = xp.where(usable, amax, xp.float32(1.0))
-    s_enc = xp.minimum(xp.float32(E2M1_MAX * e4m3_max) / safe, xp.float32(FLT_MAX))
-    return xp.where(usable, s_enc, xp.float32(1.0)).astype(xp.float32)
-
-
-def global_decode_scale(amax: Any, *, block_scale_rule: str = "max") -> Any:
-    """s_dec = 1 / s_enc in float32 (the value stored as `NVFP4Array.global_scale`)."""
-    xp = namespace(amax)
-    s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
-    return (xp.float32(1.0) / s_enc).astype(xp.float32)
-
-
 def quantize(
     x: Any,
     block_shape: tuple[int, int] = (1, 16),
@@ -227,24 +193,24 @@ def quantize(
     check_float("x", x)
     xp = namespace(x, global_amax, uniform)
     check_rounding(rounding)
-    _check_block_scale_rule(block_scale_rule, error_metric)
+    check_block_scale_rule(block_scale_rule, error_metric)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
-    _check_outer_scale(outer_scale, block_shape)
+    check_outer_scale(outer_scale, block_shape)
     if x.size == 0:
         return _empty(xp, tuple(x.shape), block_shape, outer_scale)
-    block_amax = _block_amax(xp, x, block_shape)
+    block_amax = per_block_amax(xp, x, block_shape)
     if not is_jax_array(block_amax) and block_amax.size and not np.isfinite(block_amax.max()):
         check_finite("x", x)  # NaN and Inf reach the block amaxes; this names the first one
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
-    amax = _outer_amax(xp, block_amax, global_amax, outer_scale)
+    amax = outer_amax(xp, block_amax, global_amax, outer_scale)
     s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
     s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
     if block_scale_rule == "4over6":
         scales = select_block_scales(xp, x, block_amax, s_enc, s_dec, block_shape, error_metric)
     else:
         scales = e4m3_block_scales(xp, block_amax, s_enc, E2M1_MAX)
-    packed = _encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
+    packed = encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
     if block_shape == (16, 16):
         scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
     # Non-finite input (JAX only; NumPy raised above) marks the tensor (row), also under
@@ -261,30 +227,6 @@ def quantize(
         shape=tuple(x.shape),
         block_shape=block_shape,
     )
-
-
-def _check_block_scale_rule(block_scale_rule: str, error_metric: str = "mse") -> None:
-    if block_scale_rule not in BLOCK_SCALE_RULES:
-        raise ValueError(
-            f"block_scale_rule must be one of {BLOCK_SCALE_RULES}, got {block_scale_rule!r}"
-        )
-    if error_metric not in ERROR_METRICS:
-        raise ValueError(f"error_metric must be one of {ERROR_METRICS}, got {error_metric!r}")
-    if block_scale_rule != "4over6" and error_metric != "mse":
-        raise ValueError(
-            f"error_metric={error_metric!r} only applies to block_scale_rule='4over6', "
-            f"got block_scale_rule={block_scale_rule!r}"
-        )
-
-
-def _check_outer_scale(outer_scale: str, block_shape: tuple[int, int]) -> None:
-    if outer_scale not in OUTER_SCALES:
-        raise ValueError(f"outer_scale must be one of {OUTER_SCALES}, got {outer_scale!r}")
-    if outer_scale == "row" and block_shape != (1, 16):
-        raise ValueError(
-            "outer_scale='row' needs block_shape=(1, 16): a 16x16 tile spans 16 rows, each with "
-            f"its own outer scale, got block_shape={block_shape}"
-        )
 
 
 def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:
@@ -350,115 +292,3 @@ def _check_block_shape(block_shape: Any, shape: tuple[int, ...]) -> tuple[int, i
             f"of 16, got shape {shape}"
         )
     return block_shape  # type: ignore[return-value]
-
-
-def _outer_amax(xp: Any, block_amax: Any, global_amax: Any, outer_scale: str) -> Any:
-    """max|x| (shape ()) or per row (1x16 blocks [..., K/16] -> [..., 1]) as the max of the
-    block amaxes (exact, and one pass less), or the caller's."""
-    row = outer_scale == "row"
-    if global_amax is None:
-        if row:
-            return xp.max(block_amax, axis=-1, keepdims=True)
-        return xp.max(block_amax) if block_amax.size else xp.float32(0.0)
-    amax = xp.asarray(global_amax, dtype=xp.float32)
-    if not row and amax.ndim != 0:
-        raise ValueError(f"global_amax must be a scalar, got shape {tuple(amax.shape)}")
-    if row:
-        lead = tuple(block_amax.shape[:-1])
-        if tuple(amax.shape) == lead:
-            amax = amax[..., None]
-        if tuple(amax.shape) != (*lead, 1):
-            raise ValueError(
-                f"global_amax with outer_scale='row' must hold one amax per row, shape "
-                f"{(*lead, 1)} or {lead}, got shape {tuple(amax.shape)}"
-            )
-    if not is_jax_array(amax) and not (np.isfinite(amax).all() and (amax >= 0).all()):
-        bad = amax if amax.ndim == 0 else amax[~(np.isfinite(amax) & (amax >= 0))][0]
-        raise ValueError(f"global_amax must be finite and >= 0, got {float(bad)}")
-    return amax
-
-
-def _blocks(x: Any, block_shape: tuple[int, int]) -> Any:
-    """View [..., K] as [..., K/16, 16] blocks, or [..., M/16, 16, K/16, 16] tiles."""
-    *lead, k = x.shape
-    if block_shape == (1, 16):
-        return x.reshape(*lead, k // BLOCK_SIZE, BLOCK_SIZE)
-    m = lead.pop()
-    return x.reshape(*lead, m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
-
-
-def _block_amax(xp: Any, x: Any, block_shape: tuple[int, int]) -> Any:
-    """float32 max|x| per block [..., K/16] (per tile [..., M/16, K/16] for 16x16).
-
-    The maximum is exact, so the two namespaces may reduce differently with identical results:
-    - XLA: one reduction with the reducer max(|a|, |b|), which its CPU backend runs as a single
-      fused pass over x (max(abs(x)) first materialises |x|; max and -min take two passes).
-    - NumPy, by row chunks: a max over a short contiguous axis is slow (~10x), so each chunk is
-      copied with the block's own axes first and reduced over whole rows.
-    """
-    tile_rows = block_shape[0]
-    if is_jax_array(x):
-        from jax import lax
-
-        axes = (x.ndim,) if tile_rows == 1 else (x.ndim - 1, x.ndim + 1)
-        blocks = _blocks(xp.asarray(x, dtype=xp.float32), block_shape)
-        abs_max = lambda u, v: xp.maximum(xp.abs(u), xp.abs(v))  # noqa: E731
-        return lax.reduce(blocks, xp.float32(0.0), abs_max, axes)
-    *lead, k = x.shape
-    rows = np.asarray(x).reshape(-1, k)
-    out = np.empty((rows.shape[0] // tile_rows, k // BLOCK_SIZE), np.float32)
-    for sl in row_chunks(rows.shape[0], k, tile_rows):
-        tiles = rows[sl].reshape(-1, tile_rows, k // BLOCK_SIZE, BLOCK_SIZE)
-        # A float32 copy with the within-block axes first: the max then runs over whole rows.
-        values = tiles.transpose(1, 3, 0, 2).astype(np.float32, order="C")
-        values = np.abs(values, out=values).reshape(tile_rows * BLOCK_SIZE, -1)
-        block_max = values.max(axis=0).reshape(-1, k // BLOCK_SIZE)
-        out[sl.start // tile_rows : sl.stop // tile_rows] = block_max
-    return (
-        out.reshape(*lead[:-1], -1, k // BLOCK_SIZE)
-        if tile_rows > 1
-        else out.reshape(*lead, k // BLOCK_SIZE)
-    )
-
-
-def _encode_blocks(
-    xp: Any,
-    x: Any,
-    scales: Any,
-    s_dec: Any,
-    block_shape: tuple[int, int],
-    rounding: str,
-    uniform: Any,
-) -> Any:
-    """Packed uint8 codes [..., K/2] of e2m1(clip(x * enc_b, -6, 6)), enc_b from the block scales.
-
-    A block with scale 0 gets enc_b = 0 and its sign bits masked, so all its codes are +0.
-    """
-    enc = block_encode_scales(xp, scales, s_dec)
-    if block_shape == (16, 16):  # a tile encodes like 16 rows of 1x16 blocks with its scale
-        enc = xp.repeat(enc, BLOCK_SIZE, axis=-2)
-    k = x.shape[-1]
-    enc = enc.reshape(-1, k // BLOCK_SIZE)
-    x_rows = x.reshape(-1, k)
-    u_rows = uniform.reshape(-1, k) if rounding == "stochastic" else None
-    if xp is not np:
-        packed = _encode_rows(xp, x_rows, enc, u_rows, rounding)
-    else:
-        packed = np.empty((x_rows.shape[0], k // 2), np.uint8)
-        for sl in row_chunks(x_rows.shape[0], k):
-            u_chunk = None if u_rows is None else u_rows[sl]
-            packed[sl] = _encode_rows(np, x_rows[sl], enc[sl], u_chunk, rounding)
-    return packed.reshape(*x.shape[:-1], k // 2)
-
-
-def _encode_rows(xp: Any, x: Any, enc: Any, uniform: Any, rounding: str) -> Any:
-    """Packed codes [n, K/2] of rows x [n, K] with per-block encode scales enc [n, K/16]."""
-    n, k = x.shape
-    scaled = (
-        xp.asarray(x, dtype=xp.float32).reshape(n, k // BLOCK_SIZE, BLOCK_SIZE) * enc[..., None]
-    )
-    if uniform is not None:
-        uniform = uniform.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    sign_mask = (enc > 0).astype(xp.uint32)[..., None] << 3  # zero blocks: no -0 codes
-    codes = _encode_bits(xp, scaled, rounding, uniform, sign_mask)
-    return pack_pairs(xp, codes.astype(xp.uint8).reshape(n, k))

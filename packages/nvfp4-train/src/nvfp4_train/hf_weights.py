@@ -27,12 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from nvfp4_format.safetensors_file import (
-    SafetensorsHeader,
-    read_safetensors_header,
-    read_safetensors_index,
-    read_tensor,
-)
+from nvfp4_format.safetensors_file import read_tensor
+from nvfp4_format.safetensors_header import SafetensorsHeader, read_safetensors_header
+from nvfp4_format.safetensors_index import read_safetensors_index
 from nvfp4_train.errors import RunError
 from nvfp4_train.model import ModelConfig
 from nvfp4_train.stacking import is_stacked, layer_paths

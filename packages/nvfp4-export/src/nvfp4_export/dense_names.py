@@ -1,0 +1,98 @@
+"""The model's dense (non-linear) tensors under their three names: `ForwardWeights` key, training
+parameter and Hugging Face tensor, with the `LlamaSpec` flag each one depends on.
+
+The one table every reader and writer of these tensors goes through (`model_spec`, `hf_files`,
+`reload`, `onnx_graph`). Per-layer entries (`LAYER_TENSORS`) are named relative to their layer;
+`DenseTensor.in_layer` places them in `layers.{i}.` (key, parameter) and `model.layers.{i}.` (HF).
+
+Example:
+    >>> from nvfp4_export.model_spec import LlamaSpec
+    >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+    ...                  head_dim=16, mlp_dim=32, qk_norm=True)
+    >>> [t.hf_name for t in dense_entries(spec) if t.layer is not None][-2:]
+    ['model.layers.0.self_attn.q_norm.weight', 'model.layers.0.self_attn.k_norm.weight']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nvfp4_export.model_spec import LlamaSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTensor:
+    """One dense tensor: its names, the flag it exists under and how its layouts differ.
+
+    Attributes:
+        key: the `ForwardWeights` name: "embed", "final_norm", "lm_head", or a layer key
+            ("attn_norm", ...; `layers.{i}.attn_norm` once placed).
+        param: the training parameter path (relative to `layers.{i}` for a per-layer entry).
+        hf_name: the HF tensor name (relative to `model.layers.{i}`); for a bias of a fused
+            linear, its name inside each of that linear's HF modules ("bias").
+        flag: the `LlamaSpec` flag the tensor depends on, or None (always there).
+        when: the flag's value with which the tensor exists (lm_head: `tie_embeddings` False).
+        fused_linear: the training linear (relative to `layers.{i}`) whose HF modules each hold
+            their rows of the tensor (`linears.hf_modules`), or None: one HF tensor.
+        transposed: the training parameter is [in, out] and the HF tensor and `ForwardWeights`
+            hold its transpose (lm_head: kernel [D, V], HF and forward [V, D]).
+        layer: the layer a placed per-layer entry is in; None for a table entry or a
+            model-wide tensor.
+    """
+
+    key: str
+    param: str
+    hf_name: str
+    flag: str | None = None
+    when: bool = True
+    fused_linear: str | None = None
+    transposed: bool = False
+    layer: int | None = None
+
+    def exists(self, spec: LlamaSpec) -> bool:
+        """Whether a model of `spec` has this tensor."""
+        return self.flag is None or getattr(spec, self.flag) == self.when
+
+    def in_layer(self, i: int) -> DenseTensor:
+        """This per-layer entry with its names placed in layer `i`."""
+        p = f"layers.{i}."
+        hf_name = self.hf_name if self.fused_linear else f"model.{p}{self.hf_name}"
+        fused = None if self.fused_linear is None else p + self.fused_linear
+        return dataclasses.replace(
+            self, key=p + self.key, param=p + self.param, hf_name=hf_name, fused_linear=fused,
+            layer=i,
+        )  # fmt: skip
+
+
+EMBED = DenseTensor("embed", "embed.embedding", "model.embed_tokens.weight")
+FINAL_NORM = DenseTensor("final_norm", "final_norm.scale", "model.norm.weight")
+LM_HEAD = DenseTensor(
+    "lm_head", "lm_head.kernel", "lm_head.weight", flag="tie_embeddings", when=False,
+    transposed=True,
+)  # fmt: skip
+"""Absent when tied: `ForwardWeights` then computes the logits with `EMBED`."""
+MODEL_TENSORS = (EMBED, FINAL_NORM, LM_HEAD)
+"""The model-wide dense tensors."""
+LAYER_TENSORS = (
+    DenseTensor("attn_norm", "attn_norm.scale", "input_layernorm.weight"),
+    DenseTensor("mlp_norm", "mlp_norm.scale", "post_attention_layernorm.weight"),
+    DenseTensor("qkv_bias", "attn.qkv.bias", "bias", flag="qkv_bias", fused_linear="attn.qkv"),
+    DenseTensor("o_bias", "attn.o.bias", "self_attn.o_proj.bias", flag="o_bias"),
+    DenseTensor("q_norm", "attn.q_norm.scale", "self_attn.q_norm.weight", flag="qk_norm"),
+    DenseTensor("k_norm", "attn.k_norm.scale", "self_attn.k_norm.weight", flag="qk_norm"),
+)
+"""Each layer's dense tensors, in the order `ForwardWeights` layers and exports list them."""
+
+
+def layer_tensor(key: str, i: int) -> DenseTensor:
+    """The per-layer entry of `ForwardWeights` layer key `key` ("attn_norm", ...) in layer `i`."""
+    return {t.key: t for t in LAYER_TENSORS}[key].in_layer(i)
+
+
+def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
+    """The dense tensors a model of `spec` has, placed, in model order: embed, layer 0's, ...,
+    final_norm, lm_head."""
+    layers = [t.in_layer(i) for i in range(spec.num_layers) for t in LAYER_TENSORS]
+    return [t for t in (EMBED, *layers, FINAL_NORM, LM_HEAD) if t.exists(spec)]
