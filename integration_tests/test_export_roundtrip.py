@@ -57,9 +57,9 @@ def _jax_logits(ckpt, tokens: np.ndarray) -> np.ndarray:
     from flax import nnx
 
     from nvfp4_train.config import config_from_dict
-    from nvfp4_train.step import init_state
+    from nvfp4_train.resume import initial_state
 
-    graphdef, _ = init_state(config_from_dict(ckpt.config))
+    graphdef, _ = initial_state(config_from_dict(ckpt.config))
     tree: dict = {}
     for path, value in ckpt.params.items():
         node = tree

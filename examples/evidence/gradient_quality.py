@@ -52,7 +52,7 @@ from nvfp4_train import (
     Checkpoints,
     abstract_state,
     capture_linear_operands,
-    init_state,
+    initial_state,
     load_config,
     load_run_config,
     make_datasets,
@@ -97,7 +97,7 @@ def init_operands(config: str, seed: int, overrides: list[str]) -> Source:
     """Operands of the freshly initialised BF16 model of `config` (seed `seed`)."""
     cfg = load_config(config, [*overrides, "precision.recipe=bf16", f"train.seed={seed}"])
     cfg, batch = fixed_batch(cfg)
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial_state(cfg)
     label = f"BF16 model at initialisation ({config}, seed {seed})"
     return capture_linear_operands(graphdef, state.params, batch), label, batch
 

@@ -23,15 +23,15 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True, scope="session")
 def _scan_layers_from(request):
-    """`--scan-layers-from N`: `nvfp4_train.model.AUTO_SCAN_LAYERS` set to N for the session."""
+    """`--scan-layers-from N`: `nvfp4_train.model_config.AUTO_SCAN_LAYERS` set to N for the session."""
     value = request.config.getoption("--scan-layers-from")
     if value is None:
         yield
         return
-    import nvfp4_train.model
+    import nvfp4_train.model_config
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nvfp4_train.model, "AUTO_SCAN_LAYERS", value)
+        patch.setattr(nvfp4_train.model_config, "AUTO_SCAN_LAYERS", value)
         yield
 
 

@@ -9,17 +9,9 @@ from typing import Literal
 import pytest
 import yaml
 
-from nvfp4_train.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    build,
-    config_from_dict,
-    load_config,
-    parse_override,
-    to_dict,
-    to_yaml,
-)
+from nvfp4_train.config import Config, config_from_dict, load_config, upgraded
+from nvfp4_train.config_loader import apply_overrides, build, parse_override, to_dict, to_yaml
+from nvfp4_train.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -232,9 +224,51 @@ def test_generic_builder_handles_tuples_dicts_literals_optionals():
 
 def test_readme_documents_every_key_with_its_default():
     readme = (REPO / "packages" / "nvfp4-train" / "README.md").read_text()
-    flat = {"output_dir": Config().output_dir}
-    for section, values in to_dict(Config()).items():
-        if isinstance(values, dict):
-            flat.update({f"{section}.{k}": v for k, v in values.items()})
-    for key in flat:
-        assert f"| `{key}` |" in readme, f"README config table lacks {key}"
+
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            dotted = f"{prefix}{key}"
+            yield from leaves(value, dotted + ".") if isinstance(value, dict) else [dotted]
+
+    for key in leaves(to_dict(Config())):
+        parts = key.split(".")
+        documented = [".".join(parts[:n]) for n in range(len(parts), 1, -1)] or parts
+        assert any(f"| `{k}` |" in readme for k in documented), f"README config table lacks {key}"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("precision.loss_scaling", "optimizer.loss_scaling.mode", "dynamic"),
+        ("precision.initial_loss_scale", "optimizer.loss_scaling.initial_scale", 64.0),
+        ("precision.loss_scale_growth_interval", "optimizer.loss_scaling.growth_interval", 5),
+        ("precision.skip_nonfinite", "optimizer.loss_scaling.skip_nonfinite", False),
+    ],
+)
+def test_moved_keys_are_refused_with_their_new_place_and_upgraded_when_saved(old, new, value):
+    section, key = old.split(".")
+    message = f"config key '{old}' moved to '{new}'"
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({section: {key: value}})
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({}, [f"{old}={value}"])
+    saved = to_dict(Config())
+    del saved["optimizer"]["loss_scaling"]
+    saved["precision"][key] = value
+    if key == "skip_nonfinite":  # the only old setting dynamic scaling forbids
+        saved["precision"]["loss_scaling"] = "none"
+    cfg = config_from_dict(upgraded(saved))
+    got = cfg
+    for part in new.split("."):
+        got = getattr(got, part)
+    assert got == value
+    assert config_from_dict(upgraded(to_dict(cfg))) == cfg  # a current config is left as it is
+
+
+def test_upgrade_keeps_a_new_key_already_set():
+    saved = {
+        "precision": {"loss_scaling": "dynamic"},
+        "optimizer": {"loss_scaling": {"mode": "none"}},
+    }
+    assert upgraded(saved) == {"precision": {}, "optimizer": {"loss_scaling": {"mode": "none"}}}
+    assert saved["precision"] == {"loss_scaling": "dynamic"}  # the input is not changed

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from nvfp4_train.config import ConfigError, config_from_dict, load_config, to_yaml
+from nvfp4_train.config import config_from_dict, load_config
+from nvfp4_train.config_loader import to_yaml
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.health import (
     ROLE_FAMILIES,
     QuantHealthConfig,

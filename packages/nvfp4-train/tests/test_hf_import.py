@@ -90,9 +90,9 @@ def _canonical(cfg, params) -> dict[str, np.ndarray]:
     import jax
     from flax import nnx
 
-    from nvfp4_train.step import model_graphdef
+    from nvfp4_train.step import model_graphdef, model_spec
 
-    layout = nnx.merge(model_graphdef(cfg), params).layout
+    layout = nnx.merge(model_graphdef(model_spec(cfg)), params).layout
 
     flat = jax.tree_util.tree_flatten_with_path(layout.to_canonical(params))[0]
     return {".".join(str(k.key) for k in kp): np.asarray(v) for kp, v in flat}

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from nvfp4_train.loss_scaling import (
+    LossScalingConfig,
     all_finite,
     current_loss_scale,
     dynamic_loss_scaling,
@@ -107,3 +108,17 @@ def test_defaults_without_the_transforms():
 def test_dynamic_loss_scaling_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dynamic_loss_scaling(optax.sgd(1.0), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "static"}, "optimizer.loss_scaling.mode must be one of"),
+        ({"mode": "dynamic", "skip_nonfinite": False}, "skip_nonfinite must be true"),
+        ({"growth_interval": 0}, "optimizer.loss_scaling.growth_interval must be >= 1"),
+        ({"initial_scale": 0.0}, "optimizer.loss_scaling.initial_scale must be > 0"),
+    ],
+)
+def test_loss_scaling_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossScalingConfig(**kwargs)

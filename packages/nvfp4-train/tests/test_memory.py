@@ -66,3 +66,15 @@ def test_memory_needs_a_vocabulary_and_a_mesh_that_fits():
         estimate_memory(config_from_dict({}), 1)
     with pytest.raises(ConfigError, match="mesh for 3 devices"):
         estimate_memory(cfg(mesh={"data": 2, "fsdp": 1}), 3)
+
+
+def test_a_schedule_counts_the_phase_that_keeps_the_most():
+    edges = {"bf16_first_layers": 0, "bf16_last_layers": 0}
+    quantized = estimate_memory(cfg("quantized", precision={"recipe": "nvfp4", **edges}), 1)
+    plain = estimate_memory(cfg("quantized", precision={"recipe": "bf16", **edges}), 1)
+    assert plain.activations < quantized.activations and not quantized.peak_phase
+    late = {"recipe": "bf16", **edges,
+            "schedule": [{"layers": ".*", "from": 5, "recipe": "nvfp4"}]}  # fmt: skip
+    scheduled = estimate_memory(cfg("quantized", precision=late), 1)
+    assert scheduled.activations == quantized.activations
+    assert scheduled.peak_phase == "[5, end)"

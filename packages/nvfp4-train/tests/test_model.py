@@ -12,7 +12,8 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.layers import apply_rope, causal_gqa, rope_cos_sin
-from nvfp4_train.model import Llama, ModelConfig, linear_paths
+from nvfp4_train.model import Llama
+from nvfp4_train.model_config import ModelConfig, linear_paths
 
 
 def tiny(**overrides) -> ModelConfig:

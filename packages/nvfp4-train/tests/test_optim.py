@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from nvfp4_train.loss_scaling import current_loss_scale, skipped_steps
+from nvfp4_train.loss_scaling import LossScalingConfig, current_loss_scale, skipped_steps
 from nvfp4_train.optim import OptimizerConfig, decay_mask, make_optimizer, make_schedule
-from nvfp4_train.policy import PrecisionConfig
 
 PEAK = 1e-3
 
@@ -100,15 +98,17 @@ def test_clipping_bounds_the_first_sgd_like_step():
     np.testing.assert_allclose(mu["w"], 0.5 * np.array([0.6, 0.8, 0.0, 0.0]), rtol=1e-6)
 
 
-def test_make_optimizer_reads_precision_from_a_full_config():
-    run_cfg = SimpleNamespace(
-        optimizer=OptimizerConfig(), precision=PrecisionConfig(loss_scaling="dynamic", initial_loss_scale=64.0)
-    )  # fmt: skip
-    state = make_optimizer(run_cfg, total_steps=10).init({"w": jnp.ones(3)})
+def test_make_optimizer_wraps_the_loss_scaling_section():
+    scaling = LossScalingConfig(mode="dynamic", initial_scale=64.0)
+    state = make_optimizer(OptimizerConfig(loss_scaling=scaling), 10).init({"w": jnp.ones(3)})
     assert float(current_loss_scale(state)) == 64.0
     assert int(skipped_steps(state)) == 0
     plain = make_optimizer(OptimizerConfig(), total_steps=10).init({"w": jnp.ones(3)})
     assert float(current_loss_scale(plain)) == 1.0
+    assert optax.tree_utils.tree_get(plain, "skipped_steps") is not None  # skip-step by default
+    bare = OptimizerConfig(loss_scaling=LossScalingConfig(skip_nonfinite=False))
+    assert optax.tree_utils.tree_get(make_optimizer(bare, 10).init({"w": jnp.ones(3)}),
+                                     "skipped_steps") is None  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from run_reading import saved_params, train_losses, val_losses
+from run_steps import initial
 
 import nvfp4_ops
-from nvfp4_train.config import ConfigError, config_from_dict, to_dict
-from nvfp4_train.model import ModelConfig
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.config_loader import to_dict
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.model_config import ModelConfig
 from nvfp4_train.policy import PrecisionConfig, bf16_forward_start, layer_recipes
 from nvfp4_train.resume import check_same_model
 from nvfp4_train.run import evaluate_run, run
-from nvfp4_train.step import init_state, model_graphdef
+from nvfp4_train.step import model_graphdef, model_spec
 
 STEPS, SWITCH = 6, 3
 SECTIONS = {
@@ -81,9 +84,12 @@ def test_late_recipes_switch_only_the_quantized_linears():
 
 def test_late_graphdef_takes_the_same_params_with_bf16_fprop_recipes(tiny_config, tmp_path):
     cfg = config_from_dict(tiny_config(tmp_path), ["model.vocab_size=64", "train.seed=5"])
-    graphdef, state = init_state(cfg)
-    assert model_graphdef(cfg) == graphdef
-    late = nnx.merge(model_graphdef(cfg, bf16_forward=True), state.params)
+    graphdef, state = initial(cfg)
+    assert model_graphdef(model_spec(cfg)) == graphdef
+    late = nnx.merge(
+        model_graphdef(model_spec(cfg), layer_recipes(cfg.model, cfg.precision, bf16_forward=True)),
+        state.params,
+    )
     assert late.layers["0"].mlp.down.recipe == nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop()
     assert nnx.to_pure_dict(nnx.state(late)).keys() == state.params.keys()
 

@@ -3,8 +3,10 @@ uninterrupted run; unreadable or half-written checkpoints are skipped; retention
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
+import json
 import os
 import random
 import shutil
@@ -20,7 +22,8 @@ from run_reading import last_step, start_run, train_losses
 
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import config_from_dict
-from nvfp4_train.run import run
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.run import evaluate_run, load_run_config, run
 
 STEPS = 60
 SECTIONS = {
@@ -133,6 +136,50 @@ def test_unreadable_and_half_written_checkpoints_are_skipped(trained_runs, tiny_
     assert f"moved it to {last}.unreadable" in text and (ckpts / f"{last}.unreadable").is_dir()
     assert summary.start_step == 4 and "(step 4)" in text
     assert train_losses(run_dir) == before
+
+
+def _as_saved_before_the_move(config: dict) -> dict:
+    """A saved config as versions before `optimizer.loss_scaling` wrote it (in `precision`)."""
+    old = copy.deepcopy(config)
+    scaling = old["optimizer"].pop("loss_scaling")
+    old["precision"].update(
+        loss_scaling=scaling["mode"], initial_loss_scale=scaling["initial_scale"],
+        loss_scale_growth_interval=scaling["growth_interval"],
+        skip_nonfinite=scaling["skip_nonfinite"],
+    )  # fmt: skip
+    return old
+
+
+def test_a_run_directory_saved_before_loss_scaling_moved_evaluates_and_resumes(
+    trained_runs, tiny_config, tmp_path
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_runs.api_dir, run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(_as_saved_before_the_move(saved)))
+    items = sorted((run_dir / "checkpoints").glob("*/config/metadata"))
+    assert items, "no checkpoint config items found"
+    for item in items:
+        item.write_text(json.dumps(_as_saved_before_the_move(json.loads(item.read_text()))))
+    assert "loss_scaling" in yaml.safe_load((run_dir / "config.yaml").read_text())["precision"]
+
+    assert load_run_config(run_dir) == config_from_dict(saved)
+    assert evaluate_run(run_dir, stream=io.StringIO())["step"] == trained_runs.steps
+    longer = {**trained_runs.sections["train"], "steps": trained_runs.steps + 2}
+    out = io.StringIO()
+    summary = run(config_from_dict(tiny_config(run_dir, **{**trained_runs.sections, "train": longer})), stream=out)  # fmt: skip
+    assert summary.start_step == trained_runs.steps, out.getvalue()
+    assert f"(step {trained_runs.steps})" in out.getvalue()
+
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for other, message in [
+        ({"loss_scaling": {"mode": "dynamic"}}, r"optimizer\.loss_scaling\.mode differ"),
+        ({"grad_clip_norm": 0.0}, r"grad_clip_norm=1\.0, and 0\.0 turns clipping off"),
+    ]:
+        changed = {**trained_runs.sections, "train": longer, "optimizer": other}
+        with pytest.raises(ConfigError, match=message):
+            run(config_from_dict(tiny_config(run_dir, **changed)), stream=io.StringIO())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # none set aside
 
 
 class _Tiny(NamedTuple):

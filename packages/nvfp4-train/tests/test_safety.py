@@ -159,7 +159,7 @@ def test_a_non_finite_state_is_never_saved(tiny_config, tmp_path):
     # without skip-step the NaN reaches the parameters; the checkpoint of that state is refused
     cfg = _cfg(
         tiny_config, tmp_path / "run", "optimizer.learning_rate=1e9", "train.steps=12",
-        "precision.skip_nonfinite=false", "train.stop_after_nonfinite=0",
+        "optimizer.loss_scaling.skip_nonfinite=false", "train.stop_after_nonfinite=0",
         "checkpoint.every_steps=1", "checkpoint.keep=2", "optimizer.warmup_steps=0",
     )  # fmt: skip
     with pytest.raises(RunError, match=r"not saving step \d+: the train state holds NaN or Inf"):
@@ -219,7 +219,7 @@ def test_flipped_bytes_on_disk_are_never_trained_on(two_checkpoints):
 
 
 def _as_dict(cfg):
-    from nvfp4_train.config import to_dict
+    from nvfp4_train.config_loader import to_dict
 
     return to_dict(cfg)
 

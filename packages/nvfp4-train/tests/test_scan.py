@@ -32,19 +32,19 @@ import optax
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from run_steps import initial, probe_of, run_optimizer, train_step_of
 
-import nvfp4_train.model
+import nvfp4_train.model_config
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import config_from_dict
-from nvfp4_train.model import LINEAR_NAMES, REMAT_POLICIES, ModelConfig, unstacked
-from nvfp4_train.optim import make_optimizer
-from nvfp4_train.policy import run_layout
+from nvfp4_train.model import unstacked
+from nvfp4_train.model_config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
+from nvfp4_train.policy import layer_recipes, run_layout
 from nvfp4_train.resume import abstract_state
 from nvfp4_train.run import run
 from nvfp4_train.sharding import AXES, param_spec, tree_shardings
 from nvfp4_train.stacking import LayerLayout, canonical_path, is_stacked, runs_of
-from nvfp4_train.step import flat_amax, forward, init_state, make_train_step, model_graphdef
-from nvfp4_train.telemetry import make_quant_probe, step_key
+from nvfp4_train.step import flat_amax, forward, model_graphdef, model_spec, step_key
 
 HERE = Path(__file__).resolve().parent
 
@@ -126,7 +126,7 @@ def test_layout_follows_the_precision_policy_its_overrides_and_no_decay():
     entries = lambda cfg: [key for key, _, _ in run_layout(cfg).entries]  # noqa: E731
     assert entries(scan_cfg(layers=8)) == ["0", "1-6", "7"]
     assert entries(scan_cfg(layers=8, scan=False)) == [str(i) for i in range(8)]
-    auto_scans_4 = nvfp4_train.model.AUTO_SCAN_LAYERS <= 4  # 8, unless --scan-layers-from
+    auto_scans_4 = nvfp4_train.model_config.AUTO_SCAN_LAYERS <= 4  # 8, unless --scan-layers-from
     assert entries(scan_cfg(layers=4, scan="auto")) == (
         ["0", "1-2", "3"] if auto_scans_4 else ["0", "1", "2", "3"]
     )
@@ -148,8 +148,8 @@ def test_model_config_checks_scan_and_remat():
 
 
 def test_a_seed_gives_the_same_weights_stacked_or_not():
-    _, scanned = init_state(scan_cfg(scan=True))
-    _, plain = init_state(scan_cfg(scan=False))
+    _, scanned = initial(scan_cfg(scan=True))
+    _, plain = initial(scan_cfg(scan=False))
     assert sorted(scanned.params["layers"]) == ["0", "1-2", "3"]
     assert scanned.params["layers"]["1-2"]["attn"]["qkv"]["kernel"].shape == (2, 32, 64)
     layout = run_layout(scan_cfg(scan=True))
@@ -160,8 +160,10 @@ def test_a_seed_gives_the_same_weights_stacked_or_not():
 
 def test_the_late_bf16_forward_runs_on_the_stacked_state():
     cfg = scan_cfg(scan=True)
-    _, state = init_state(cfg)
-    late = model_graphdef(cfg, bf16_forward=True)
+    _, state = initial(cfg)
+    late = model_graphdef(
+        model_spec(cfg), layer_recipes(cfg.model, cfg.precision, bf16_forward=True)
+    )
     run_forward = jax.jit(forward, static_argnums=0)
     logits = run_forward(late, state.params, batch()["inputs"], jax.random.key(0))
     assert logits.shape == (4, 16, 64) and bool(jnp.all(jnp.isfinite(logits)))
@@ -198,8 +200,8 @@ def _numerics_report() -> dict:
             cfg = scan_cfg(recipe, scan, remat)
             layout = run_layout(cfg)
             sgd = optax.sgd(1e-2, momentum=0.9)
-            graphdef, state = init_state(cfg, optimizer=sgd)
-            step = jax.jit(make_train_step(cfg, graphdef, sgd))
+            graphdef, state = initial(cfg, sgd)
+            step = jax.jit(train_step_of(cfg, graphdef, sgd))
             losses, norms, first = [], [], None
             for i in range(20):
                 state, metrics = step(state, batch(i))
@@ -214,9 +216,9 @@ def _numerics_report() -> dict:
                 "amax": digest(state.activation_amax),
             }
             if remat == "none":  # the run's own optimizer: AdamW, clipping at 1.0
-                adamw = make_optimizer(cfg, cfg.train.steps)
-                graphdef, state = init_state(cfg)
-                adam_step = jax.jit(make_train_step(cfg, graphdef, adamw))
+                adamw = run_optimizer(cfg)
+                graphdef, state = initial(cfg)
+                adam_step = jax.jit(train_step_of(cfg, graphdef, adamw))
                 row["adamw_losses"] = []
                 for i in range(20):
                     state, metrics = adam_step(state, batch(i))
@@ -279,9 +281,9 @@ def test_telemetry_rows_are_per_layer_and_equal_scanned_or_not():
     rows = {}
     for scan in (False, True):
         cfg = scan_cfg(scan=scan)
-        graphdef, state = init_state(cfg)
-        probe = jax.jit(make_quant_probe(cfg, graphdef))
-        rows[scan] = jax.device_get(probe(state.params, batch(), step_key(cfg, 0)))
+        graphdef, state = initial(cfg)
+        probe = jax.jit(probe_of(cfg, graphdef))
+        rows[scan] = jax.device_get(probe(state.params, batch(), step_key(cfg.train.seed, 0)))
     expected = [f"layers.{i}.{name}" for i in (1, 2) for name in LINEAR_NAMES]
     assert sorted(rows[True]) == sorted(expected)
     assert leaves_equal(rows[True], rows[False])
@@ -289,7 +291,7 @@ def test_telemetry_rows_are_per_layer_and_equal_scanned_or_not():
 
 def test_unstacked_model_has_one_block_per_layer():
     cfg = scan_cfg(scan=True, remat="quantized")
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     from flax import nnx
 
     model = unstacked(nnx.merge(graphdef, state.params))
@@ -301,9 +303,9 @@ def test_unstacked_model_has_one_block_per_layer():
 
 def test_amax_is_per_layer_and_updated_for_stacked_blocks():
     cfg = scan_cfg(scan=True)
-    graphdef, state = init_state(cfg)
-    step = jax.jit(make_train_step(cfg, graphdef, optax.sgd(1e-2)))
-    state = init_state(cfg, optimizer=optax.sgd(1e-2))[1]
+    graphdef, state = initial(cfg)
+    step = jax.jit(train_step_of(cfg, graphdef, optax.sgd(1e-2)))
+    state = initial(cfg, optax.sgd(1e-2))[1]
     state, _ = step(state, batch())
     amax = flat_amax(state.activation_amax)
     assert sorted(amax) == sorted(f"layers.{i}.{n}" for i in range(4) for n in LINEAR_NAMES)
@@ -319,11 +321,11 @@ def test_checkpoints_are_per_layer_and_restore_into_either_layout(
     tmp_path, save_scanned, restore_scanned
 ):
     saver, restorer = scan_cfg(scan=save_scanned), scan_cfg(scan=restore_scanned)
-    graphdef, state = init_state(saver)
-    state, _ = jax.jit(make_train_step(saver, graphdef, optax.adamw(1e-2)))(
-        init_state(saver, optimizer=optax.adamw(1e-2))[1], batch()
+    graphdef, state = initial(saver)
+    state, _ = jax.jit(train_step_of(saver, graphdef, optax.adamw(1e-2)))(
+        initial(saver, optax.adamw(1e-2))[1], batch()
     )
-    state = init_state(saver)[1]._replace(params=state.params)  # the run's own optimizer
+    state = initial(saver)[1]._replace(params=state.params)  # the run's own optimizer
     with Checkpoints(tmp_path, keep=2, layout=run_layout(saver)) as ckpts:
         ckpts.save(1, state, data_iter_state={"i": 1}, config={"k": 1})
     with Checkpoints(tmp_path, keep=2, layout=run_layout(restorer)) as ckpts:

@@ -20,8 +20,10 @@ from run_reading import last_step, saved_params, start_run, train_losses, val_lo
 import nvfp4_ops
 from nvfp4_ops.recipe import compose
 from nvfp4_train.cli import main
-from nvfp4_train.config import ConfigError, config_from_dict, load_config, to_dict, to_yaml
-from nvfp4_train.model import ModelConfig, linear_paths
+from nvfp4_train.config import config_from_dict, load_config
+from nvfp4_train.config_loader import to_dict, to_yaml
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.model_config import ModelConfig, linear_paths
 from nvfp4_train.policy import (
     PrecisionConfig,
     bf16_forward_start,

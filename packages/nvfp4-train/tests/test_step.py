@@ -10,18 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from run_steps import eval_step_of, initial, run_optimizer, train_step_of
 
 from nvfp4_train.config import ConfigError, config_from_dict
-from nvfp4_train.model import linear_paths, unstacked
-from nvfp4_train.optim import make_optimizer
+from nvfp4_train.model import unstacked
+from nvfp4_train.model_config import linear_paths
 from nvfp4_train.policy import run_layout
 from nvfp4_train.step import (
     TrainState,
     count_params,
     flat_amax,
-    init_state,
-    make_eval_step,
-    make_train_step,
     with_vocab_size,
 )
 
@@ -48,9 +46,11 @@ def run_config(recipe="nvfp4", dtype="bfloat16", accum=1, loss_scaling="none", v
             },
             "precision": {
                 "recipe": recipe, "bf16_first_layers": 0, "bf16_last_layers": 0,
-                "loss_scaling": loss_scaling, "initial_loss_scale": 1024.0,
             },
-            "optimizer": {"learning_rate": 1e-2, "schedule": "constant", "warmup_steps": 0},
+            "optimizer": {
+                "learning_rate": 1e-2, "schedule": "constant", "warmup_steps": 0,
+                "loss_scaling": {"mode": loss_scaling, "initial_scale": 1024.0},
+            },
             "train": {"steps": 20, "seed": 7, "batch_size": 4, "seq_len": 32, "grad_accum_steps": accum},
         }
     )  # fmt: skip
@@ -59,8 +59,8 @@ def run_config(recipe="nvfp4", dtype="bfloat16", accum=1, loss_scaling="none", v
 @functools.cache
 def compiled(cfg):
     """(graphdef, jitted train_step) for a config; compiled once per test session."""
-    graphdef, _ = init_state(cfg)
-    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
+    graphdef, _ = initial(cfg)
+    step = train_step_of(cfg, graphdef, run_optimizer(cfg))
     return graphdef, jax.jit(step, donate_argnums=0)
 
 
@@ -71,7 +71,7 @@ def fixed_batch(vocab=256):
 
 def train(cfg, steps: int, state: TrainState | None = None):
     _, step = compiled(cfg)
-    state = init_state(cfg)[1] if state is None else state
+    state = initial(cfg)[1] if state is None else state
     losses, batch = [], fixed_batch()
     for _ in range(steps):
         state, metrics = step(state, batch)
@@ -82,9 +82,9 @@ def train(cfg, steps: int, state: TrainState | None = None):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_trains_and_loss_falls(recipe):
     cfg = run_config(recipe)
-    _, initial = init_state(cfg)
-    initial_params = jax.tree.map(np.asarray, initial.params)
-    state, losses, metrics = train(cfg, 12, initial)
+    _, start = initial(cfg)
+    initial_params = jax.tree.map(np.asarray, start.params)
+    state, losses, metrics = train(cfg, 12, start)
     assert int(state.step) == 12
     assert set(metrics) >= {"loss", "grad_norm", "lr", "skipped"}
     assert all(np.isfinite(losses)) and float(metrics["grad_norm"]) > 0
@@ -111,7 +111,7 @@ def test_rounding_key_comes_from_the_step_number(recipe, differs):
     """Same params and batch at steps 0 and 3 (constant lr): only SR makes the updates differ."""
     cfg = run_config(recipe)
     _, step = compiled(cfg)
-    _, state = init_state(cfg)
+    _, state = initial(cfg)
     copy = functools.partial(jax.tree.map, jnp.array)
     at_zero, _ = step(copy(state), fixed_batch())
     at_three, _ = step(copy(state._replace(step=jnp.int32(3))), fixed_batch())
@@ -121,9 +121,9 @@ def test_rounding_key_comes_from_the_step_number(recipe, differs):
 
 def sgd_gradient(cfg):
     """The gradient a train step computes: its update under plain SGD with lr 1."""
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     sgd = optax.sgd(1.0)
-    step = jax.jit(make_train_step(cfg, graphdef, sgd))
+    step = jax.jit(train_step_of(cfg, graphdef, sgd))
     before = jax.tree.map(np.asarray, state.params)
     state = state._replace(opt_state=sgd.init(state.params))
     new, metrics = step(state, fixed_batch())
@@ -165,7 +165,7 @@ def test_float16_with_dynamic_loss_scaling_trains():
 def test_nonfinite_gradients_skip_the_step():
     cfg = run_config("bf16", "float32")
     _, step = compiled(cfg)
-    _, state = init_state(cfg)
+    _, state = initial(cfg)
     params = jax.tree.map(np.array, state.params)  # writable copies
     params["final_norm"]["scale"][3] = np.nan  # every gradient becomes NaN
     poisoned = state._replace(params=jax.tree.map(jnp.asarray, params))
@@ -181,8 +181,8 @@ def test_nonfinite_gradients_skip_the_step():
 def test_eval_step_matches_train_loss():
     cfg = run_config("bf16", "float32")
     graphdef, _ = compiled(cfg)
-    _, state = init_state(cfg)
-    loss_sum, count = jax.jit(make_eval_step(cfg, graphdef))(state.params, fixed_batch())
+    _, state = initial(cfg)
+    loss_sum, count = jax.jit(eval_step_of(cfg, graphdef))(state.params, fixed_batch())
     _, _, metrics = train(cfg, 1, state)
     assert int(count) == 4 * 32 and count.dtype == jnp.int32
     np.testing.assert_allclose(float(loss_sum) / int(count), float(metrics["loss"]), rtol=1e-6)
@@ -201,8 +201,8 @@ def test_with_vocab_size_fills_from_data():
 def test_count_params_and_vocab_from_data():
     cfg = run_config(vocab=0)
     with pytest.raises(ValueError, match="vocab_size must be > 0"):
-        init_state(cfg)
-    _, state = init_state(cfg, vocab_size=256)
+        initial(cfg)
+    _, state = initial(with_vocab_size(cfg, 256))
     d, v, mlp, qkv = 64, 256, 128, (4 + 2 * 2) * 16
     per_layer = 2 * d + d * qkv + 64 * d + d * 2 * mlp + mlp * d
     assert count_params(state.params) == v * d + 2 * per_layer + d + d * v
@@ -212,8 +212,8 @@ def test_count_params_and_vocab_from_data():
 def test_batch_must_split_into_microbatches():
     cfg = run_config("bf16", "float32", accum=2)
     graphdef, _ = compiled(cfg)
-    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
-    _, state = init_state(cfg)
+    step = train_step_of(cfg, graphdef, run_optimizer(cfg))
+    _, state = initial(cfg)
     batch = jax.tree.map(lambda x: x[:3], fixed_batch())
     with pytest.raises(ValueError, match="multiple of train.grad_accum_steps=2, got batch size 3"):
         step(state, batch)
@@ -239,7 +239,7 @@ def _linear_inputs(cfg, params, inputs_BxL):
 def test_activation_amax_is_the_max_abs_linear_input():
     cfg = run_config("nvfp4")
     _, step = compiled(cfg)
-    _, state = init_state(cfg)
+    _, state = initial(cfg)
     assert all(float(v) == 0.0 for v in flat_amax(state.activation_amax).values())
     expected = {
         path: float(jnp.max(jnp.abs(x.astype(jnp.float32))))

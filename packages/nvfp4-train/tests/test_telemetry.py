@@ -9,19 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from run_steps import initial, probe_of, run_optimizer, train_step_of
 
 import nvfp4_ops
 from nvfp4_train.config import config_from_dict
 from nvfp4_train.layers import QuantLinear
-from nvfp4_train.model import LINEAR_NAMES, linear_keys, linear_paths, unstacked
-from nvfp4_train.optim import make_optimizer
+from nvfp4_train.model import linear_keys, unstacked
+from nvfp4_train.model_config import LINEAR_NAMES, linear_paths
 from nvfp4_train.policy import run_layout
-from nvfp4_train.step import forward_with_amax, init_state, make_train_step
+from nvfp4_train.step import forward_with_amax, step_key
 from nvfp4_train.telemetry import (
     capture_linear_operands,
     linear_recipes,
-    make_quant_probe,
-    step_key,
 )
 
 
@@ -49,7 +48,7 @@ def random_batch(seed: int = 1, batch: int = 4, length: int = 16):
 @functools.cache
 def captured(recipe: str = "nvfp4", dtype: str = "bfloat16"):
     cfg = tiny_cfg(recipe, dtype)
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     capture = jax.jit(capture_linear_operands)
     return cfg, graphdef, state, capture(graphdef, state.params, random_batch(), jax.random.key(5))
 
@@ -150,14 +149,14 @@ def _plain_call(self, x_NxI, key=None):
 
 
 def _train_step_jaxpr(cfg) -> str:
-    graphdef, state = init_state(cfg)
-    step = make_train_step(cfg, graphdef, make_optimizer(cfg, cfg.train.steps))
+    graphdef, state = initial(cfg)
+    step = train_step_of(cfg, graphdef, run_optimizer(cfg))
     return str(jax.make_jaxpr(step)(state, random_batch()))
 
 
 def test_capture_off_leaves_the_train_step_jaxpr_unchanged(monkeypatch):
     cfg = tiny_cfg("nvfp4", accum=2)
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     capture_linear_operands(graphdef, state.params, random_batch(), jax.random.key(0))
     with_capture_code = _train_step_jaxpr(cfg)
     monkeypatch.setattr(QuantLinear, "__call__", _plain_call)
@@ -171,7 +170,7 @@ def test_capture_off_leaves_the_train_step_jaxpr_unchanged(monkeypatch):
 def test_capture_on_changes_only_the_probe():
     """Sanity check of the test above: capture mode does add to the traced graph."""
     cfg = tiny_cfg("nvfp4")
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     batch = random_batch()
     key = jax.random.key(0)
     plain = jax.make_jaxpr(lambda p: forward_with_amax(graphdef, p, batch["inputs"], key)[0])
@@ -182,7 +181,7 @@ def test_capture_on_changes_only_the_probe():
 @pytest.mark.parametrize("bad", ["inputs", "targets"])
 def test_capture_names_a_missing_batch_key(bad):
     cfg = tiny_cfg()
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     batch = dict(random_batch())
     del batch[bad]
     with pytest.raises(ValueError, match=f"batch must hold 'inputs' and 'targets'.*{bad}"):
@@ -197,8 +196,8 @@ def probed(accum: int = 1):
     """(cfg, probe output, operands of the first microbatch) of a model whose layer 0 is BF16;
     one jit, so both see the same x (eager and jitted bf16 results may differ in the last bit)."""
     cfg = tiny_cfg("nvfp4", first=1, accum=accum)
-    graphdef, state = init_state(cfg)
-    probe = make_quant_probe(cfg, graphdef)
+    graphdef, state = initial(cfg)
+    probe = probe_of(cfg, graphdef)
 
     def both(params, batch, key):
         first = {k: v[: v.shape[0] // accum] for k, v in batch.items()}
@@ -206,7 +205,7 @@ def probed(accum: int = 1):
         operands = capture_linear_operands(graphdef, params, first, micro_key)
         return probe(params, batch, key), operands
 
-    stats, operands = jax.jit(both)(state.params, random_batch(), step_key(cfg, 3))
+    stats, operands = jax.jit(both)(state.params, random_batch(), step_key(cfg.train.seed, 3))
     return cfg, stats, operands
 
 
@@ -225,7 +224,7 @@ def test_probe_covers_only_the_quantized_linears_with_every_role_and_stat():
 def test_probe_stats_are_the_operand_stats_of_the_captured_operands():
     """fprop_x is `operand_stats` of the captured x; dgrad_dy uses the linear's own SR key."""
     cfg, stats, operands = probed()
-    micro_key = jax.random.fold_in(step_key(cfg, 3), 0)
+    micro_key = jax.random.fold_in(step_key(cfg.train.seed, 3), 0)
     recipe = nvfp4_ops.get_recipe("nvfp4")
     for path in ("layers.1.attn.qkv", "layers.1.mlp.down"):
         x, _, dy = operands[path]
@@ -253,9 +252,9 @@ def test_probe_sees_the_first_microbatch_only():
 
 def test_probe_of_an_all_bf16_model_is_empty():
     cfg = tiny_cfg("bf16")
-    graphdef, state = init_state(cfg)
-    probe = jax.jit(make_quant_probe(cfg, graphdef))
-    assert probe(state.params, random_batch(), step_key(cfg, 0)) == {}
+    graphdef, state = initial(cfg)
+    probe = jax.jit(probe_of(cfg, graphdef))
+    assert probe(state.params, random_batch(), step_key(cfg.train.seed, 0)) == {}
 
 
 def test_linear_keys_are_the_keys_the_model_folds():
@@ -272,7 +271,7 @@ def test_linear_keys_are_the_keys_the_model_folds():
 
 def test_linear_recipes_lists_quantized_linears_in_model_order():
     cfg = tiny_cfg("nvfp4", first=1)
-    graphdef, state = init_state(cfg)
+    graphdef, state = initial(cfg)
     recipes = linear_recipes(graphdef, state.params)
     assert list(recipes) == [p for p in linear_paths(cfg.model) if p.startswith("layers.1")]
     assert all(r == nvfp4_ops.get_recipe("nvfp4") for r in recipes.values())

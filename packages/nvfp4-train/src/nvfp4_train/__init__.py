@@ -12,25 +12,25 @@ from nvfp4_train.checkpoint import Checkpoints, Restored
 from nvfp4_train.config import (
     CheckpointConfig,
     Config,
-    ConfigError,
     LoggingConfig,
     TrainConfig,
     config_from_dict,
     load_config,
-    to_dict,
-    to_yaml,
 )
+from nvfp4_train.config_loader import to_dict, to_yaml
 from nvfp4_train.data import DataConfig, make_datasets
 from nvfp4_train.distributed import DistributedConfig
-from nvfp4_train.model import ModelConfig
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.loss_scaling import LossScalingConfig
+from nvfp4_train.model_config import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.plot import plot_runs
 from nvfp4_train.policy import PrecisionConfig, precision_phases
-from nvfp4_train.resume import abstract_state
+from nvfp4_train.resume import abstract_state, initial_state
 from nvfp4_train.run import RunSummary, evaluate_run, load_run_config, run
 from nvfp4_train.schedule import PrecisionPhase, ScheduleRule, format_schedule
 from nvfp4_train.sharding import MeshConfig, make_mesh
-from nvfp4_train.step import init_state, with_vocab_size
+from nvfp4_train.step import ModelSpec, init_state, model_spec, with_vocab_size
 from nvfp4_train.telemetry import capture_linear_operands
 
 __all__ = [
@@ -41,7 +41,9 @@ __all__ = [
     "DataConfig",
     "DistributedConfig",
     "LoggingConfig",
+    "LossScalingConfig",
     "MeshConfig",
+    "ModelSpec",
     "ModelConfig",
     "OptimizerConfig",
     "PrecisionConfig",
@@ -56,10 +58,12 @@ __all__ = [
     "evaluate_run",
     "format_schedule",
     "init_state",
+    "initial_state",
     "load_config",
     "load_run_config",
     "make_datasets",
     "make_mesh",
+    "model_spec",
     "plot_runs",
     "precision_phases",
     "run",

@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import nvfp4_ops
-from nvfp4_train.config import ConfigError
-from nvfp4_train.errors import RunError
+from nvfp4_train.errors import ConfigError, RunError
 from nvfp4_train.policy import PrecisionConfig, backend_spec
 
 ALWAYS_CHECKED = "nvfp4-no-sr"

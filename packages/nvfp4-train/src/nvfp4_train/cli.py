@@ -26,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nvfp4_train.config import ConfigError, load_config, to_yaml
-from nvfp4_train.errors import DataError, RunError
+from nvfp4_train.config import load_config
+from nvfp4_train.config_loader import to_yaml
+from nvfp4_train.errors import ConfigError, DataError, RunError
 from nvfp4_train.hf_config import HFConfigError
 
 EXIT_USAGE = 2
@@ -103,16 +104,13 @@ def _run(args: argparse.Namespace) -> int:
     from nvfp4_train.run import run
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
-    except ValueError as e:  # documented: a malformed environment value, a bad process id
-        raise ConfigError(str(e)) from None
+    initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
     run(cfg)
     return 0
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    from nvfp4_train.model import linear_paths
+    from nvfp4_train.model_config import linear_paths
     from nvfp4_train.policy import precision_phases
     from nvfp4_train.schedule import format_schedule
 
@@ -146,13 +144,10 @@ def _plot(args: argparse.Namespace) -> int:
         names = " ".join(str(d) for d in args.run_dirs)
         raise ConfigError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
     output = args.output or args.run_dirs[0] / ("quant.png" if args.quant else "loss.png")
-    try:
-        if args.quant:
-            path = plot_quant(args.run_dirs[0], output, stat=args.stat)
-        else:
-            path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
-    except ValueError as e:  # documented: no metrics.jsonl or rows, a bad --stat or --smoothing
-        raise ConfigError(str(e)) from None
+    if args.quant:
+        path = plot_quant(args.run_dirs[0], output, stat=args.stat)
+    else:
+        path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
     print(f"wrote {path}")
     return 0
 

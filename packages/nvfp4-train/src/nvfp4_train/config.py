@@ -1,10 +1,10 @@
-"""The run configuration: a typed, frozen dataclass tree and its YAML loader.
+"""The run configuration: a typed, frozen dataclass tree and how it is read.
 
 `Config` gathers one section per concern (`model`, `precision`, `optimizer`, `data`, `train`,
-`checkpoint`, `logging`, `mesh`, `distributed`). The loader builds the tree generically from the dataclass type hints, so a
-section only has to declare typed, defaulted fields and validate values in `__post_init__`. A
-field whose name cannot be a YAML key as it is (a Python keyword) names its key in its metadata:
-`from_: int = dataclasses.field(default=0, metadata={"config_key": "from"})` (`config_key`).
+`checkpoint`, `logging`, `mesh`, `distributed`). `nvfp4_train.config_loader` builds the tree
+generically from the dataclass type hints, so a section only has to declare typed, defaulted fields
+and validate values in `__post_init__`. Keys that moved between versions (`MOVED_KEYS`) are refused
+in a user's config with their new place, and moved in a run directory's saved one (`upgraded`).
 Loading never touches the file system beyond reading the YAML (and, with `model.init_from`, that
 model's `config.json`: `nvfp4_train.hf_config`), and never initialises a runtime.
 
@@ -17,23 +17,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import reprlib
-import types
-import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from nvfp4_train.config_loader import apply_overrides, build, read_yaml
 from nvfp4_train.data import DataConfig
 from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.health import QuantHealthConfig
 from nvfp4_train.hf_config import HFConfigError, fill_data_section, fill_model_section
-from nvfp4_train.model import ModelConfig
+from nvfp4_train.model_config import ModelConfig
 from nvfp4_train.optim import OptimizerConfig
 from nvfp4_train.policy import PrecisionConfig
 from nvfp4_train.sharding import MeshConfig
@@ -174,271 +170,68 @@ class Config:
             )
 
 
-# ----------------------------------------------------------------------------- generic loader
+MOVED_KEYS = {
+    "precision.loss_scaling": "optimizer.loss_scaling.mode",
+    "precision.initial_loss_scale": "optimizer.loss_scaling.initial_scale",
+    "precision.loss_scale_growth_interval": "optimizer.loss_scaling.growth_interval",
+    "precision.skip_nonfinite": "optimizer.loss_scaling.skip_nonfinite",
+}
+"""Keys of earlier versions -> where they are now. A config that sets one is refused with the
+new key (`config_from_dict`); a run directory's saved config is moved (`upgraded`)."""
 
 
-def config_key(field: dataclasses.Field) -> str:
-    """The YAML key of a dataclass field: its `metadata["config_key"]`, else its name."""
-    return field.metadata.get("config_key", field.name)
+def _parent(mapping: Any, dotted: str, *, create: bool = False) -> tuple[Any, str]:
+    """(the mapping holding the last part of `dotted`, or None; that part)."""
+    *parents, leaf = dotted.split(".")
+    node = mapping
+    for part in parents:
+        if not isinstance(node, dict):
+            return None, leaf
+        node = node.setdefault(part, {}) if create else node.get(part)
+    return (node if isinstance(node, dict) else None), leaf
 
 
-def _describe(tp: Any) -> str:
-    """A readable name for a type hint: `int`, `tuple[int, ...]`, `one of 'a', 'b'`."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    args = typing.get_args(tp)
-    if origin in (tuple, list) and args and dataclasses.is_dataclass(args[0]):
-        return "a list of mappings"
-    return getattr(tp, "__name__", None) if origin is None else str(tp).replace("typing.", "")
-
-
-MAX_SHOWN = 200
-"""Longest repr of a user's value shown in an error message (a value can be huge: YAML aliases)."""
-
-
-def shown(value: Any) -> str:
-    """`repr(value)`, cut to `MAX_SHOWN` characters."""
-    cut = reprlib.Repr()
-    cut.maxstring = cut.maxother = MAX_SHOWN
-    text = cut.repr(value)
-    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
-
-
-def _wrong_type(key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(
-        f"{key}: expected {_describe(tp)}, got {shown(value)} ({type(value).__name__})"
-    )
-
-
-def _finite(key: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-    return value
-
-
-def _convert_scalar(tp: type, value: Any, key: str) -> Any:
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return _finite(key, float(value))
-        if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-            if number is not None:
-                return _finite(key, number)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is Any or isinstance(value, tp):
-        return value
-    raise _wrong_type(key, tp, value)
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    """Checks `value` (from YAML) against the type hint `tp` and converts it (lists to tuples)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise _wrong_type(key, tp, value)
-        return build(tp, value, prefix=key)
-    if origin is Literal:
-        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
-            raise _wrong_type(key, tp, value)
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, key)
-            except ConfigError:
-                continue
-        raise _wrong_type(key, tp, value)
-    if origin in (tuple, list, Sequence):
-        if not isinstance(value, list | tuple):
-            raise _wrong_type(key, tp, value)
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(args) != len(value):
-                raise _wrong_type(key, tp, value)
-            items = [
-                _convert(a, v, f"{key}[{i}]")
-                for i, (a, v) in enumerate(zip(args, value, strict=True))
-            ]
-        else:
-            item_tp = args[0] if args else Any
-            items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        return list(items) if origin is list else tuple(items)
-    if origin in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise _wrong_type(key, tp, value)
-        key_tp, val_tp = args if args else (Any, Any)
-        return {
-            _convert(key_tp, k, f"{key}.{k}"): _convert(val_tp, v, f"{key}.{k}")
-            for k, v in value.items()
-        }
-    return _convert_scalar(tp, value, key)
-
-
-def _unknown_key(cls: type, key: str, dotted: str) -> ConfigError:
-    allowed = [config_key(f) for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, allowed, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(
-        f"unknown config key {shown(dotted)}{hint}; allowed keys: {', '.join(allowed)}"
-    )
-
-
-def build(cls: type, mapping: Mapping[str, Any], prefix: str = "") -> Any:
-    """Builds the frozen dataclass `cls` from a plain mapping, checking keys and types.
-
-    Args:
-        cls: a dataclass type whose fields have type hints (resolvable by `typing.get_type_hints`).
-        mapping: values from YAML; missing keys take the field defaults.
-        prefix: the dotted path of `cls` inside the whole config, for error messages.
-
-    Returns:
-        An instance of `cls`.
-
-    Raises:
-        ConfigError: an unknown key, a value of the wrong type, or a value the section rejects.
-    """
-    hints = typing.get_type_hints(cls)
-    fields = {config_key(f): f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in mapping.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            raise _unknown_key(cls, str(key), dotted)
-        kwargs[fields[key]] = _convert(hints[fields[key]], value, dotted)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        text = str(e) if prefix in str(e) else f"{prefix or 'config'}: {e}"
-        if len(text) > 4 * MAX_SHOWN:  # a section's message quoting a huge value
-            text = text[: 4 * MAX_SHOWN] + "... (message cut)"
-        raise ConfigError(text) from None
-
-
-MAX_NODES = 100_000
-"""Values a config may hold once its YAML aliases are expanded: plenty for any config, few enough
-to refuse an alias bomb (a few hundred bytes of nested aliases standing for billions of values)."""
-
-
-class _Loader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses duplicate keys."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                line = key_node.start_mark.line + 1
-                raise ConfigError(f"duplicate key {shown(key)} at line {line} of the YAML")
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """How many values `node` stands for once aliases are expanded (each node counted once)."""
-    if id(node) not in sizes:
-        sizes[id(node)] = 1  # a cycle counts once (recursive YAML)
-        if isinstance(node, yaml.SequenceNode):
-            children = node.value
-        elif isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        else:
-            children = []
-        sizes[id(node)] = 1 + sum(_expanded_size(c, sizes) for c in children)
-    return sizes[id(node)]
-
-
-def read_yaml(text: str) -> Any:
-    """YAML data as `yaml.safe_load` reads it, refusing duplicate keys and alias bombs.
-
-    Raises:
-        ConfigError: duplicate keys, more than `MAX_NODES` values, nesting too deep for Python.
-        yaml.YAMLError: not YAML.
-    """
-    loader = _Loader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        size = _expanded_size(node, {})
-        if size > MAX_NODES:
+def _refuse_moved(mapping: dict[str, Any]) -> None:
+    for old, new in MOVED_KEYS.items():
+        node, leaf = _parent(mapping, old)
+        if node is not None and leaf in node:
             raise ConfigError(
-                f"the YAML stands for {size:,} values once its aliases (*name) are expanded, "
-                f"more than {MAX_NODES:,}; refusing it (an alias bomb?)"
+                f"config key {old!r} moved to {new!r}: write `{new}={node[leaf]!r}` instead"
             )
-        return loader.construct_document(node)
-    except RecursionError:
-        raise ConfigError("the YAML is nested too deeply to read") from None
-    finally:
-        loader.dispose()
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Splits `a.b.c=value` into (['a', 'b', 'c'], value); the value is parsed as YAML.
+def upgraded(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config (a run directory's `config.yaml`, a checkpoint's `config` item) written by
+    an earlier version, with its `MOVED_KEYS` at their new places (a new key already set wins).
 
-    Raises:
-        ConfigError: no `=`, an empty key or key part, or a value that is not valid YAML.
+    Example:
+        >>> upgraded({"precision": {"recipe": "nvfp4", "loss_scaling": "dynamic"}})
+        {'precision': {'recipe': 'nvfp4'}, 'optimizer': {'loss_scaling': {'mode': 'dynamic'}}}
     """
-    key, sep, raw = text.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(p.strip() for p in parts):
-        raise ConfigError(f"override must look like section.key=value, got {shown(text)}")
-    try:
-        value = read_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {shown(text)}: the value is not valid YAML ({e})") from None
-    return [p.strip() for p in parts], value
-
-
-def apply_overrides(mapping: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Returns a deep copy of `mapping` with each `dotted.key=value` override set in it."""
-    result = _deep_copy(mapping)
-    for text in overrides:
-        parts, value = parse_override(text)
-        node = result
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(parts[: i + 1])
-                raise ConfigError(f"override {shown(text)}: {where!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = value
+    result = apply_overrides(mapping, ())  # a deep copy
+    for old, new in MOVED_KEYS.items():
+        node, leaf = _parent(result, old)
+        if node is None or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        target, new_leaf = _parent(result, new, create=True)
+        if target is not None:
+            target.setdefault(new_leaf, value)
     return result
 
 
-def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in mapping.items()}
-
-
 def config_from_dict(mapping: Mapping[str, Any] | None, overrides: Iterable[str] = ()) -> Config:
-    """Builds a `Config` from a plain mapping (as read from YAML) plus dotted overrides."""
+    """Builds a `Config` from a plain mapping (as read from YAML) plus dotted overrides.
+
+    Raises:
+        ConfigError: not a mapping, an unknown or moved key (`MOVED_KEYS`), a wrong value.
+    """
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, Mapping):
         raise ConfigError(f"a config must be a YAML mapping, got {type(mapping).__name__}")
     merged = apply_overrides(mapping, overrides)
+    _refuse_moved(merged)
     model = merged.get("model")
     if (
         isinstance(model, Mapping)
@@ -455,11 +248,11 @@ def config_from_dict(mapping: Mapping[str, Any] | None, overrides: Iterable[str]
     return build(Config, merged)
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Reads a YAML config file (`read_yaml`: a safe load) and builds the `Config` with overrides.
+def read_config_file(path: str | Path) -> Any:
+    """The plain data of a YAML config file (`read_yaml`: a safe load).
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or its content is not a valid config.
+        ConfigError: the file is missing or unreadable, or is not YAML.
     """
     path = Path(path)
     try:
@@ -467,25 +260,17 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
     try:
-        mapping = read_yaml(text)
+        return read_yaml(text)
     except ConfigError as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-    return config_from_dict(mapping, overrides)
 
 
-def to_dict(cfg: Any) -> Any:
-    """The config tree as plain YAML/JSON-ready data (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {config_key(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, tuple | list):
-        return [to_dict(v) for v in cfg]
-    if isinstance(cfg, Mapping):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Reads a YAML config file (`read_config_file`) and builds the `Config` with overrides.
 
-
-def to_yaml(cfg: Any) -> str:
-    """The config tree as a YAML document, in field order; `load_config` reads it back."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    Raises:
+        ConfigError: the file is missing, is not YAML, or its content is not a valid config.
+    """
+    return config_from_dict(read_config_file(path), overrides)

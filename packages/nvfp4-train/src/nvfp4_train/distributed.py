@@ -18,6 +18,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from nvfp4_train.errors import ConfigError
+
 ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
 
@@ -64,7 +66,7 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
 def _cluster_detected(env: Mapping[str, str]) -> bool:
@@ -78,7 +80,7 @@ def init_kwargs(cfg: DistributedConfig, env: Mapping[str, str]) -> dict[str, Any
     Config values win over the environment; what neither gives is left to JAX's cluster detection.
 
     Raises:
-        ValueError: a malformed environment value, or a process id outside [0, num_processes).
+        ConfigError: a malformed environment value, or a process id outside [0, num_processes).
     """
     if cfg.initialize == "never":
         return None
@@ -88,7 +90,7 @@ def init_kwargs(cfg: DistributedConfig, env: Mapping[str, str]) -> dict[str, Any
     if cfg.initialize == "auto" and not ((count or 1) > 1 or _cluster_detected(env)):
         return None
     if count is not None and pid is not None and not 0 <= pid < count:
-        raise ValueError(f"distributed.process_id must be in [0, {count}), got {pid}")
+        raise ConfigError(f"distributed.process_id must be in [0, {count}), got {pid}")
     kwargs = {"coordinator_address": address, "num_processes": count, "process_id": pid}
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nvfp4_train.model import ARCHITECTURES, ROPE_TYPES, RopeScaling
+from nvfp4_train.model_config import ARCHITECTURES, ROPE_TYPES, RopeScaling
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -31,7 +31,7 @@ from nvfp4_format.safetensors_file import read_tensor
 from nvfp4_format.safetensors_header import SafetensorsHeader, read_safetensors_header
 from nvfp4_format.safetensors_index import read_safetensors_index
 from nvfp4_train.errors import RunError
-from nvfp4_train.model import ModelConfig
+from nvfp4_train.model_config import ModelConfig
 from nvfp4_train.stacking import is_stacked, layer_paths
 from nvfp4_train.tree_paths import key_names
 

@@ -25,19 +25,28 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nvfp4_ops import Recipe, get_recipe
 from nvfp4_train.cadence import Due, due
 from nvfp4_train.checkpoint import Checkpoints
-from nvfp4_train.config import Config, to_dict
+from nvfp4_train.config import Config
+from nvfp4_train.config_loader import to_dict
 from nvfp4_train.errors import RunError
 from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import RunOutputs, format_row, quant_row, summarize_window
-from nvfp4_train.model import linear_paths
-from nvfp4_train.optim import make_optimizer
-from nvfp4_train.policy import bf16_forward_start, layer_recipes, precision_phases
+from nvfp4_train.model_config import linear_paths
+from nvfp4_train.optim import make_optimizer, make_schedule
+from nvfp4_train.policy import bf16_forward_start, precision_phases
 from nvfp4_train.run_dir import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
 from nvfp4_train.schedule import forward_weight_names, phase_changes, phase_index
 from nvfp4_train.sharding import batch_sharding, global_batch, host_value
-from nvfp4_train.step import flat_amax, forward, make_eval_step, make_train_step, model_graphdef
+from nvfp4_train.step import (
+    flat_amax,
+    forward,
+    make_eval_step,
+    make_train_step,
+    model_graphdef,
+    model_spec,
+    step_key,
+)
 from nvfp4_train.stop import StopRequest
-from nvfp4_train.telemetry import make_quant_probe, step_key
+from nvfp4_train.telemetry import make_quant_probe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +125,14 @@ class TrainingLoop:
     def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say, mesh,
                  state) -> None:  # fmt: skip
         self.cfg, self.ckpts, self.say, self.mesh = cfg, ckpts, say, mesh
-        self.optimizer = make_optimizer(cfg, cfg.train.steps)
+        self.optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+        self.spec = model_spec(cfg)
         self.state_sh = jax.tree.map(lambda x: x.sharding, state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
         self.schedule = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
         self.paths = linear_paths(cfg.model)
-        self._graphdefs = {self._key(layer_recipes(cfg.model, cfg.precision)): graphdef}
+        self._graphdefs = {self._key(self.spec.recipes): graphdef}
         self._phases: dict[tuple, Phase] = {}
         self._compiled: dict[tuple, Callable] = {}
         self.health = make_health_tracker(cfg.logging.quant_health)
@@ -147,7 +157,7 @@ class TrainingLoop:
         """The model graphdef with `recipes` (one per distinct table)."""
         key = self._key(recipes)
         if key not in self._graphdefs:
-            self._graphdefs[key] = model_graphdef(self.cfg, recipes=recipes)
+            self._graphdefs[key] = model_graphdef(self.spec, recipes)
         return self._graphdefs[key]
 
     def phase(self, index: int) -> Phase:
@@ -160,20 +170,28 @@ class TrainingLoop:
 
     def _jitted(self, graphdef: Any) -> Phase:
         """The jitted steps of `graphdef` with the state's shardings."""
-        cfg, mesh, state_sh = self.cfg, self.mesh, self.state_sh
+        train, mesh, state_sh = self.cfg.train, self.mesh, self.state_sh
+        lr = make_schedule(self.cfg.optimizer, train.steps)
+        step = make_train_step(
+            graphdef, self.optimizer, lr, seed=train.seed,
+            grad_accum_steps=train.grad_accum_steps, mesh=mesh,
+        )  # fmt: skip
+        probe = make_quant_probe(
+            graphdef, self.cfg.model, grad_accum_steps=train.grad_accum_steps, mesh=mesh
+        )
         return Phase(
             train=jax.jit(
-                make_train_step(cfg, graphdef, self.optimizer, mesh),
+                step,
                 in_shardings=(state_sh, self.batch_sh),
                 out_shardings=(state_sh, self.replicated),
                 donate_argnums=0,
             ),
             eval=jax.jit(
-                make_eval_step(cfg, graphdef, mesh),
+                make_eval_step(graphdef, seed=train.seed, mesh=mesh),
                 in_shardings=(state_sh.params, self.batch_sh),
                 out_shardings=self.replicated,
             ),
-            probe=jax.jit(make_quant_probe(cfg, graphdef, mesh), out_shardings=self.replicated),
+            probe=jax.jit(probe, out_shardings=self.replicated),
         )
 
     def _compile(self, index: int, state: Any, batch: Any) -> Callable:
@@ -262,7 +280,7 @@ class TrainingLoop:
         params, batch and SR key)."""
         jax.block_until_ready(state.params)  # the steps before it are step time
         t0 = time.perf_counter()
-        quant = phase.probe(state.params, batch, step_key(self.cfg, step - 1))
+        quant = phase.probe(state.params, batch, step_key(self.cfg.train.seed, step - 1))
         quant = jax.block_until_ready(quant)  # done before the step donates the params
         return quant, time.perf_counter() - t0
 
@@ -276,7 +294,7 @@ class TrainingLoop:
             host, step=step, seconds=seconds, tokens=tokens,
             skipped_total=int(host[-1]["skipped_total"]),
         )  # fmt: skip
-        if self.cfg.precision.loss_scaling != "none":
+        if self.cfg.optimizer.loss_scaling.mode != "none":
             row["loss_scale"] = float(host[-1]["loss_scale"])
         if evaluate_now:
             row["val_loss"] = evaluate(phase.eval, state.params, self.val_batches)

@@ -8,16 +8,57 @@ Both wrap an inner transformation, in the shape of `optax.apply_if_finite`:
 `current_loss_scale(opt_state)`), divides them by the scale, and halves the scale on a
 non-finite step or doubles it after `growth_interval` finite steps. `skip_nonfinite` leaves
 params and inner state unchanged (zero updates) on a non-finite step and counts it.
+`LossScalingConfig` is the run config's `optimizer.loss_scaling` section that chooses them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
+
+LOSS_SCALING_MODES = ("none", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScalingConfig:
+    """Loss scaling and the skip-step it relies on (`optimizer.loss_scaling`).
+
+    Attributes:
+        mode: "none" or "dynamic" (`dynamic_loss_scaling`, for float16 compute).
+        initial_scale: the dynamic loss scale at step 0.
+        growth_interval: consecutive finite steps after which the dynamic scale doubles.
+        skip_nonfinite: skip the update (params and optimizer state unchanged) when any gradient
+            is NaN/Inf (`skip_nonfinite`); the count is kept in the optimizer state. Required by
+            "dynamic" (an overflowed step must be skipped).
+
+    Example:
+        >>> LossScalingConfig(mode="dynamic", initial_scale=1024.0).growth_interval
+        2000
+    """
+
+    mode: str = "none"
+    initial_scale: float = 2.0**15
+    growth_interval: int = 2000
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        where = "optimizer.loss_scaling"
+        if self.mode not in LOSS_SCALING_MODES:
+            raise ValueError(f"{where}.mode must be one of {LOSS_SCALING_MODES}, got {self.mode!r}")
+        if self.mode == "dynamic" and not self.skip_nonfinite:
+            raise ValueError(
+                f"{where}.skip_nonfinite must be true when {where}.mode is 'dynamic' "
+                "(an overflowed step must be skipped), got false"
+            )
+        if not self.initial_scale > 0:
+            raise ValueError(f"{where}.initial_scale must be > 0, got {self.initial_scale}")
+        if self.growth_interval < 1:
+            raise ValueError(f"{where}.growth_interval must be >= 1, got {self.growth_interval}")
 
 
 def all_finite(tree) -> jax.Array:
@@ -162,3 +203,22 @@ def skipped_steps(opt_state: optax.OptState) -> jax.Array:
 def last_step_skipped(opt_state: optax.OptState) -> jax.Array:
     """Whether the latest update recorded in `opt_state` was skipped (False when skipping is off)."""
     return jnp.asarray(otu.tree_get(opt_state, "last_skipped", default=False), bool)
+
+
+def with_loss_scaling(
+    tx: optax.GradientTransformation, cfg: LossScalingConfig
+) -> optax.GradientTransformation:
+    """`tx` wrapped as `cfg` says: in `skip_nonfinite`, then in `dynamic_loss_scaling`.
+
+    Example:
+        >>> tx = with_loss_scaling(optax.sgd(0.1), LossScalingConfig(mode="dynamic"))
+        >>> float(current_loss_scale(tx.init({"w": jnp.ones(2)})))
+        32768.0
+    """
+    if cfg.skip_nonfinite:
+        tx = skip_nonfinite(tx)
+    if cfg.mode == "dynamic":
+        tx = dynamic_loss_scaling(
+            tx, initial_scale=cfg.initial_scale, growth_interval=cfg.growth_interval
+        )
+    return tx

@@ -14,7 +14,9 @@ Activations are an analytic estimate per token of the microbatch one device runs
 per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
 L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
 of an E4M3 block scale). A BF16 block's linears keep their inputs in the compute dtype without
-remat and recompute them with it. On top of what is saved, one block's attention scores and
+remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
+`precision.schedule`) a block counts as quantized in a phase when its `mlp.down` linear's recipe
+of that phase quantizes, and the estimate is the phase that keeps the most. On top of what is saved, one block's attention scores and
 probabilities ([H, L, L] in float32 and the compute dtype per sequence: the model has no fused
 attention) or the float32 logits and their gradient, whichever is larger, exist at a time.
 XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
@@ -35,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from nvfp4_train.config import ConfigError
-from nvfp4_train.policy import BF16_RECIPE, layer_recipe_names
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.policy import precision_phases
 from nvfp4_train.resume import abstract_state
 from nvfp4_train.sharding import AXES, BATCH_AXES, tree_shardings
 
@@ -54,6 +56,7 @@ class MemoryEstimate:
     sequences: int
     seq_len: int
     remat: str
+    peak_phase: str
     parameters: int
     optimizer: int
     gradients: int
@@ -110,8 +113,8 @@ def estimate_memory(cfg, devices: int) -> MemoryEstimate:
         raise ConfigError("model.vocab_size is 0 (taken from the data): set it to estimate memory")
     try:
         sizes = dict(zip(AXES, cfg.mesh.resolve(devices), strict=True))
-    except ValueError as err:
-        raise ConfigError(f"mesh for {devices} devices: {err}") from err
+    except ConfigError as err:
+        raise ConfigError(f"mesh for {devices} devices: {err}") from None
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
     _, state = abstract_state(cfg)
     params = _sharded_bytes(state.params, state.params, mesh)
@@ -120,29 +123,35 @@ def estimate_memory(cfg, devices: int) -> MemoryEstimate:
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
     sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
     tokens = sequences * cfg.train.seq_len
-    names = layer_recipe_names(cfg.model, cfg.precision)
-    activations = sum(
-        tokens * _saved_per_token(cfg, names[f"layers.{i}.mlp.down"] != BF16_RECIPE)
-        for i in range(cfg.model.num_layers)
-    )
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    saved = {
+        phase.label: sum(
+            tokens * _saved_per_token(cfg, phase.recipes[f"layers.{i}.mlp.down"].quantized)
+            for i in range(cfg.model.num_layers)
+        )
+        for phase in phases
+    }
+    peak = max(saved, key=saved.get)
     m, c = cfg.model, jnp.dtype(cfg.model.compute_dtype).itemsize
     attention = sequences * m.num_heads * cfg.train.seq_len**2 * (4 + c)
     logits = 2 * tokens * m.vocab_size * 4 // sizes["tensor"]
     return MemoryEstimate(
         devices=devices, mesh=sizes, sequences=sequences, seq_len=cfg.train.seq_len,
-        remat=m.remat, parameters=params, optimizer=optimizer, gradients=params,
-        activations=int(activations), transient=max(attention, logits),
+        remat=m.remat, peak_phase=peak if len(phases) > 1 else "", parameters=params,
+        optimizer=optimizer, gradients=params, activations=int(saved[peak]),
+        transient=max(attention, logits),
     )  # fmt: skip
 
 
 def format_estimate(estimate: MemoryEstimate) -> str:
     """The estimate as YAML comment lines (so `show-config --memory` output stays YAML)."""
     mesh = " ".join(f"{k}={v}" for k, v in estimate.mesh.items())
+    phase = f", steps {estimate.peak_phase}" if estimate.peak_phase else ""
     rows = [
         ("parameters (float32)", estimate.parameters),
         ("optimizer state", estimate.optimizer),
         ("gradients (float32)", estimate.gradients),
-        (f"activations kept for backward (remat: {estimate.remat}, estimate)",
+        (f"activations kept for backward (remat: {estimate.remat}{phase}, estimate)",
          estimate.activations),
         ("largest transient: one block's attention scores or the logits", estimate.transient),
     ]  # fmt: skip

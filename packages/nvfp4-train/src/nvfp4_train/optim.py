@@ -1,8 +1,8 @@
 """AdamW with warmup + cosine / WSD / constant schedules, clipping, decay mask, skip-step.
 
 `make_optimizer` builds, outermost first:
-    dynamic_loss_scaling (precision.loss_scaling == "dynamic")
-      -> skip_nonfinite (precision.skip_nonfinite)
+    dynamic_loss_scaling (optimizer.loss_scaling.mode == "dynamic")
+      -> skip_nonfinite (optimizer.loss_scaling.skip_nonfinite)
         -> clip_by_global_norm (grad_clip_norm > 0)
           -> adamw(schedule, mask = no decay on paths matching `no_decay`)
 """
@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nvfp4_train.loss_scaling import dynamic_loss_scaling, skip_nonfinite
-from nvfp4_train.policy import PrecisionConfig
+from nvfp4_train.loss_scaling import LossScalingConfig, with_loss_scaling
 from nvfp4_train.stacking import canonical_path, global_norm
 from nvfp4_train.tree_paths import key_names
 
@@ -45,6 +44,7 @@ class OptimizerConfig:
         no_decay: Regexes (re.search) on dotted parameter paths such as
             `layers.0.attn_norm.scale` that get no weight decay.
         grad_clip_norm: Global-norm clipping threshold; 0 disables clipping.
+        loss_scaling: loss scaling and skip-step on non-finite gradients (`LossScalingConfig`).
 
     Example:
         >>> schedule = make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=10), 100)
@@ -65,6 +65,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     no_decay: tuple[str, ...] = ("norm", "bias", "embed")
     grad_clip_norm: float = 1.0
+    loss_scaling: LossScalingConfig = dataclasses.field(default_factory=LossScalingConfig)
 
     def __post_init__(self):
         checks = [
@@ -161,26 +162,17 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(
-    cfg, total_steps: int, precision: PrecisionConfig | None = None
-) -> optax.GradientTransformation:
-    """The training optimizer.
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """The training optimizer of `cfg` (the run config's `optimizer` section).
 
     Args:
-        cfg: An `OptimizerConfig`, or a full run config, whose `optimizer` and `precision`
-            sections are then used.
+        cfg: AdamW, its schedule, clipping, decay mask and `loss_scaling`.
         total_steps: Length of the run (for the schedule).
-        precision: Loss-scaling and skip-step settings when `cfg` is an `OptimizerConfig`;
-            default `PrecisionConfig()` (skip non-finite steps, no loss scaling).
 
     Example:
         >>> tx = make_optimizer(OptimizerConfig(), total_steps=100)
         >>> state = tx.init({"w": jnp.ones((16, 16))})
     """
-    if not isinstance(cfg, OptimizerConfig):
-        precision = precision if precision is not None else cfg.precision
-        cfg = cfg.optimizer
-    precision = precision if precision is not None else PrecisionConfig()
     adamw = optax.adamw(
         make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
         weight_decay=cfg.weight_decay, mask=lambda params: decay_mask(cfg, params),
@@ -188,12 +180,4 @@ def make_optimizer(
     tx = adamw if cfg.grad_clip_norm == 0 else optax.chain(
         clip_by_global_norm(cfg.grad_clip_norm), adamw
     )  # fmt: skip
-    if precision.skip_nonfinite:
-        tx = skip_nonfinite(tx)
-    if precision.loss_scaling == "dynamic":
-        tx = dynamic_loss_scaling(
-            tx,
-            initial_scale=precision.initial_loss_scale,
-            growth_interval=precision.loss_scale_growth_interval,
-        )
-    return tx
+    return with_loss_scaling(tx, cfg.loss_scaling)

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from nvfp4_train.errors import ConfigError, DataError
 from nvfp4_train.metrics import read_metrics
-from nvfp4_train.model import LINEAR_NAMES
+from nvfp4_train.model_config import LINEAR_NAMES
 
 QUANT_STATS = ("amax", "underflow", "saturation", "rel_error")
 """The statistics of a telemetry row (as `nvfp4_ops.STATS`)."""
@@ -32,7 +33,7 @@ def ema(values: Sequence[float], alpha: float) -> np.ndarray:
         alpha: smoothing weight in [0, 1); 0 returns the series unchanged.
     """
     if not 0.0 <= alpha < 1.0:
-        raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        raise ConfigError(f"alpha must be in [0, 1), got {alpha}")
     out = np.empty(len(values), dtype=np.float64)
     acc = 0.0
     for i, v in enumerate(values):
@@ -73,7 +74,8 @@ def plot_runs(
         The path of the written PNG.
 
     Raises:
-        ValueError: a run directory has no metrics.jsonl or no loss rows.
+        DataError: a run directory has no metrics.jsonl or no loss rows.
+        ConfigError: `smoothing` is not in [0, 1).
     """
     import matplotlib
 
@@ -84,11 +86,11 @@ def plot_runs(
     for run_dir in run_dirs:
         path = Path(run_dir) / "metrics.jsonl"
         if not path.is_file():
-            raise ValueError(f"run_dirs: {str(run_dir)!r} has no metrics.jsonl")
+            raise DataError(f"run_dirs: {str(run_dir)!r} has no metrics.jsonl")
         rows = read_metrics(path)
         (ts, tl), (vs, vl) = loss_series(rows, "loss"), loss_series(rows, "val_loss")
         if not len(tl) and not len(vl):
-            raise ValueError(f"run_dirs: {str(path)!r} has no loss rows")
+            raise DataError(f"run_dirs: {str(path)!r} has no loss rows")
         series.append((run_label(run_dir), ts, tl, vs, vl))
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -128,7 +130,7 @@ def quant_grid(
     carries are left out. When a step was logged twice (a resumed run) the later row wins.
     """
     if stat not in QUANT_STATS:
-        raise ValueError(f"stat must be one of {', '.join(QUANT_STATS)}, got {stat!r}")
+        raise ConfigError(f"stat must be one of {', '.join(QUANT_STATS)}, got {stat!r}")
     by_step = {int(r["step"]): r["quant"] for r in rows if isinstance(r.get("quant"), dict)}
     steps = sorted(by_step)
     paths = sorted({p for q in by_step.values() for p in q}, key=_model_order)
@@ -188,7 +190,8 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
         The path of the written PNG.
 
     Raises:
-        ValueError: no metrics.jsonl, no telemetry rows, or an unknown `stat`.
+        DataError: no metrics.jsonl or no telemetry rows.
+        ConfigError: an unknown `stat`.
     """
     import matplotlib
 
@@ -197,10 +200,10 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no metrics.jsonl")
+        raise DataError(f"run_dir: {str(run_dir)!r} has no metrics.jsonl")
     paths, steps, grids = quant_grid(read_metrics(path), stat)
     if not grids:
-        raise ValueError(
+        raise DataError(
             f"run_dir: {str(path)!r} has no quantization telemetry rows; train with "
             "logging.quant_stats_every > 0 (e.g. logging.quant_stats_every=50)"
         )

@@ -32,7 +32,8 @@ import re
 
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.model import LINEAR_NAMES, ModelConfig, layer_layout, linear_paths
+from nvfp4_train.model import layer_layout
+from nvfp4_train.model_config import LINEAR_NAMES, ModelConfig, linear_paths
 from nvfp4_train.schedule import (
     GEMMS,
     PrecisionPhase,
@@ -47,7 +48,6 @@ from nvfp4_train.schedule import (
 from nvfp4_train.stacking import LayerLayout
 
 BF16_RECIPE = "bf16"
-LOSS_SCALING_MODES = ("none", "dynamic")
 VERIFY_MODES = ("warn", "strict", "off")
 
 
@@ -95,7 +95,9 @@ def _check_recipe_name(name: str, where: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    """Which recipe each linear runs with, plus loss scaling and skip-step on non-finite gradients.
+    """Which recipe each GEMM of each linear runs with, and on which backend.
+
+    (Loss scaling and the skip-step on non-finite gradients are `optimizer.loss_scaling`.)
 
     Attributes:
         recipe: `nvfp4_ops` preset for the quantized linears ("nvfp4", "nvfp4-no-rht",
@@ -112,11 +114,6 @@ class PrecisionConfig:
         bf16_last_layers: Blocks at the end kept in BF16; -1 = the scaled default rule.
         overrides: `"REGEX=RECIPE"` strings matched (fullmatch) against module paths such as
             `layers.3.attn.qkv`; applied in order after the first/last rule, the last match wins.
-        loss_scaling: "none" or "dynamic" (for float16 compute).
-        initial_loss_scale: Starting dynamic loss scale.
-        loss_scale_growth_interval: Finite steps before the dynamic scale doubles.
-        skip_nonfinite: Skip the update (params and optimizer state unchanged) when any gradient
-            is NaN/Inf; the count is kept in the optimizer state.
         bf16_forward_from: When the forward (Fprop) GEMMs of the quantized linears switch to BF16
             while Dgrad and Wgrad stay quantized (`nvfp4_ops.Recipe.with_bf16_fprop`): a float in
             (0, 1] is a fraction of `train.steps` (switch step = round_half_up(fraction * steps);
@@ -138,10 +135,6 @@ class PrecisionConfig:
     bf16_first_layers: int = -1
     bf16_last_layers: int = -1
     overrides: tuple[str, ...] = ()
-    loss_scaling: str = "none"
-    initial_loss_scale: float = 2.0**15
-    loss_scale_growth_interval: int = 2000
-    skip_nonfinite: bool = True
     bf16_forward_from: int | float | None = None
     schedule: tuple[ScheduleRule, ...] = ()
 
@@ -166,25 +159,6 @@ class PrecisionConfig:
         for text in self.overrides:
             _parse_override(text)
         _check_schedule(self.schedule)
-        if self.loss_scaling not in LOSS_SCALING_MODES:
-            raise ValueError(
-                f"precision.loss_scaling must be one of {LOSS_SCALING_MODES}, "
-                f"got {self.loss_scaling!r}"
-            )
-        if self.loss_scaling == "dynamic" and not self.skip_nonfinite:
-            raise ValueError(
-                "precision.skip_nonfinite must be true when precision.loss_scaling is 'dynamic' "
-                "(an overflowed step must be skipped), got false"
-            )
-        if not self.initial_loss_scale > 0:
-            raise ValueError(
-                f"precision.initial_loss_scale must be > 0, got {self.initial_loss_scale}"
-            )
-        if self.loss_scale_growth_interval < 1:
-            raise ValueError(
-                f"precision.loss_scale_growth_interval must be >= 1, "
-                f"got {self.loss_scale_growth_interval}"
-            )
 
 
 def _check_bf16_forward_from(value: object) -> None:

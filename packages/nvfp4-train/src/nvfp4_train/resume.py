@@ -2,12 +2,15 @@
 
 A checkpoint that cannot be read (files missing or truncated, a save that never finished but left
 an integer-named directory) is reported, renamed to `<step>.unreadable` so it is never picked or
-overwritten, and the previous one is tried. A checkpoint of a different model or precision config is
-refused with the differing keys.
+overwritten, and the previous one is tried. A checkpoint of a different model, precision or
+loss-scaling config, or one whose optimizer state has another structure (clipping on or off), is
+refused with the differing keys before anything is restored (`check_same_model`), so a changed
+config never makes good checkpoints look unreadable.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,11 +20,21 @@ import jax
 from jax.sharding import Mesh
 
 from nvfp4_train.checkpoint import Checkpoints, Restored
-from nvfp4_train.config import Config, ConfigError, to_dict
+from nvfp4_train.config import Config, upgraded
+from nvfp4_train.config_loader import to_dict
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.hf_weights import load_hf_params
 from nvfp4_train.metrics import truncate_metrics
+from nvfp4_train.optim import make_optimizer
 from nvfp4_train.sharding import tree_shardings
-from nvfp4_train.step import init_state, state_from_params
+from nvfp4_train.step import init_state, model_spec, state_from_params
+
+
+def initial_state(cfg: Config) -> tuple[Any, Any]:
+    """(graphdef, step-0 TrainState) of a run config (`model.vocab_size` set): `step.init_state`
+    of its `step.model_spec`, its optimizer (`optimizer` section, `train.steps`) and `train.seed`."""
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    return init_state(model_spec(cfg), optimizer, seed=cfg.train.seed)
 
 
 def abstract_state(cfg: Config) -> tuple[Any, Any]:
@@ -29,7 +42,7 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
     graphdefs = []
 
     def init() -> Any:
-        graphdef, state = init_state(cfg)
+        graphdef, state = initial_state(cfg)
         graphdefs.append(graphdef)
         return state
 
@@ -46,29 +59,51 @@ IMPLEMENTATION_KEYS = {
 per layer; the model directory a run started from, which may have moved), so they are not
 compared."""
 
+COMPARED_SECTIONS = ("model", "precision", "optimizer.loss_scaling")
+"""The sections a resumed run must share with its checkpoint: what the model is, how it is
+quantized, and the loss scaling and skip-step whose state the optimizer state holds."""
+
+
+def _section(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
 
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
-    """Raises ConfigError naming every `model.*` / `precision.*` key that differs from `saved`.
+    """Raises ConfigError naming every key of `COMPARED_SECTIONS` that differs from `saved`.
 
-    A key missing from `saved` (written before the field existed) counts as its default value;
-    `IMPLEMENTATION_KEYS` are not compared.
+    `saved` written by an earlier version is read with its moved keys at their new places
+    (`config.upgraded`). A key or section missing from `saved` (written before it existed)
+    counts as its default value; `IMPLEMENTATION_KEYS` are not compared.
     """
-    new = to_dict(cfg)
-    for section in ("model", "precision"):
-        old = saved.get(section)
-        if isinstance(old, dict):
-            old = {**to_dict(type(getattr(cfg, section))()), **old}
+    new, saved = to_dict(cfg), upgraded(saved)
+    for section in COMPARED_SECTIONS:
+        mine, old = _section(new, section), _section(saved, section)
+        if isinstance(old, dict) or old is None:
+            default = functools.reduce(getattr, section.split("."), cfg)
+            old = {**to_dict(type(default)()), **(old or {})}
         for key in IMPLEMENTATION_KEYS.get(section, ()):
-            new[section].pop(key, None)
+            mine.pop(key, None)
             if isinstance(old, dict):
                 old.pop(key, None)
-        if old != new[section]:
+        if old != mine:
             old = old or {}
-            keys = [f"{section}.{k}" for k, v in new[section].items() if old.get(k) != v]
+            keys = [f"{section}.{k}" for k, v in mine.items() if old.get(k) != v]
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
                 f"({', '.join(keys)} differ); choose a new output_dir to start fresh"
             )
+    clip_now = cfg.optimizer.grad_clip_norm
+    clip_then = _section(saved, "optimizer.grad_clip_norm")
+    clip_then = type(cfg.optimizer)().grad_clip_norm if clip_then is None else clip_then
+    if (clip_now == 0) != (clip_then == 0):
+        raise ConfigError(
+            f"output_dir {str(run_dir)!r} holds a checkpoint trained with "
+            f"optimizer.grad_clip_norm={clip_then}, and {clip_now} turns clipping "
+            f"{'off' if clip_now == 0 else 'on'}, which changes the optimizer state; keep it "
+            f"{'0' if clip_then == 0 else '> 0'} to resume, or choose a new output_dir"
+        )
 
 
 def restore_newest_readable(
@@ -117,8 +152,11 @@ def _imported_state(cfg: Config, abstract: Any, shardings: Any, say: Callable[[s
     params, unused = load_hf_params(
         cfg.model.init_from, cfg.model, abstract.params, shardings.params
     )
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     to_state = jax.jit(
-        lambda p: state_from_params(cfg, p), out_shardings=shardings, donate_argnums=0
+        lambda p: state_from_params(cfg.model, p, optimizer),
+        out_shardings=shardings,
+        donate_argnums=0,
     )
     state = to_state(params)
     say(
@@ -154,7 +192,7 @@ def resume_or_init(
     if restored is None and cfg.model.init_from:
         return graphdef, _imported_state(cfg, abstract, shardings, say), 0
     if restored is None:  # initialised in place, already sharded
-        state = jax.jit(lambda: init_state(cfg)[1], out_shardings=shardings)()
+        state = jax.jit(lambda: initial_state(cfg)[1], out_shardings=shardings)()
         return graphdef, state, 0
     restored_state = jax.device_put(restored.state, shardings)
     iterator.set_state(restored.data_iter_state)

@@ -26,8 +26,10 @@ import jax
 from nvfp4_ops import get_recipe
 from nvfp4_train.backend_check import backend_line, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
-from nvfp4_train.config import Config, ConfigError, load_config, to_yaml
+from nvfp4_train.config import Config, config_from_dict, read_config_file, upgraded
+from nvfp4_train.config_loader import to_yaml
 from nvfp4_train.data import make_datasets
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.loop import RunSummary, TrainingLoop, eval_batches, evaluate
 from nvfp4_train.metrics import MetricsFile, format_row
 from nvfp4_train.policy import export_recipe_names, layer_recipes, precision_phases, run_layout
@@ -42,7 +44,13 @@ from nvfp4_train.run_dir import (
 )
 from nvfp4_train.schedule import phase_index
 from nvfp4_train.sharding import bytes_per_device, make_mesh
-from nvfp4_train.step import count_params, make_eval_step, model_graphdef, with_vocab_size
+from nvfp4_train.step import (
+    count_params,
+    make_eval_step,
+    model_graphdef,
+    model_spec,
+    with_vocab_size,
+)
 from nvfp4_train.stop import stop_requests
 
 
@@ -60,14 +68,6 @@ def _with_data(cfg: Config) -> tuple[Config, Any]:
     and of evaluation."""
     datasets = _datasets(cfg)
     return with_vocab_size(cfg, datasets.vocab_size), datasets
-
-
-def _mesh(cfg: Config) -> Any:
-    """The run's device mesh; ConfigError if `mesh:` does not fit the devices here."""
-    try:
-        return make_mesh(cfg.mesh, jax.devices())
-    except ValueError as e:  # documented by MeshConfig.resolve: the sizes do not fit
-        raise ConfigError(str(e)) from None
 
 
 def _memory_line(mesh: Any, state: Any) -> str:
@@ -138,7 +138,7 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
     say = _sayer(stream)
     cfg, datasets = _with_data(cfg)
     iterator = datasets.train_iterator()
-    mesh = _mesh(cfg)
+    mesh = make_mesh(cfg.mesh, jax.devices())  # ConfigError if it does not fit the devices
     written = cfg  # config.yaml keeps precision.backend as configured
     say(f"run directory: {run_dir.resolve()}")
     cfg = _with_trusted_backend(cfg, say)
@@ -163,11 +163,13 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
 
 
 def load_run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """The resolved config a run directory was trained with (its `config.yaml`)."""
+    """The resolved config a run directory was trained with (its `config.yaml`; one written by
+    an earlier version is read with its moved keys at their new places: `config.upgraded`)."""
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{str(run_dir)!r} is not a run directory: it has no {CONFIG_FILE}")
-    return load_config(path, overrides)
+    saved = read_config_file(path)
+    return config_from_dict(upgraded(saved) if isinstance(saved, dict) else saved, overrides)
 
 
 EVAL_FORWARDS = ("run", "quantized", "bf16")
@@ -217,7 +219,7 @@ def _eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
             recipes = {path: recipe.with_bf16_fprop() for path, recipe in recipes.items()}
     if recipes == layer_recipes(cfg.model, cfg.precision):
         return graphdef
-    return model_graphdef(cfg, recipes=recipes)
+    return model_graphdef(model_spec(cfg), recipes)
 
 
 def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[str, Any]:
@@ -239,7 +241,8 @@ def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[
     if restored is None:
         raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
     latest = restored.step
-    eval_step = jax.jit(make_eval_step(cfg, _eval_graphdef(cfg, graphdef, forward, latest)))
+    eval_graphdef = _eval_graphdef(cfg, graphdef, forward, latest)
+    eval_step = jax.jit(make_eval_step(eval_graphdef, seed=cfg.train.seed))
     row = {
         "step": latest,
         "val_loss": evaluate(eval_step, restored.state.params, batches),

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from nvfp4_train.config import ConfigError
+from nvfp4_train.errors import ConfigError
 
 LOCK_FILE = ".nvfp4-train.lock"
 CONFIG_FILE = "config.yaml"

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.stacking import is_stacked
 from nvfp4_train.tree_paths import key_names
 
@@ -69,19 +70,19 @@ class MeshConfig:
         """(data, fsdp, tensor) sizes for `device_count` devices.
 
         Raises:
-            ValueError: the sizes do not multiply to `device_count`.
+            ConfigError: the sizes do not multiply to `device_count`.
         """
         sizes = [getattr(self, a) for a in AXES]
         fixed = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             if device_count % fixed:
-                raise ValueError(
+                raise ConfigError(
                     f"mesh: the fixed axes ({fixed} devices) must divide the {device_count} "
                     f"devices, got {dict(zip(AXES, sizes, strict=True))}"
                 )
             sizes = [device_count // fixed if s == -1 else s for s in sizes]
         if math.prod(sizes) != device_count:
-            raise ValueError(
+            raise ConfigError(
                 f"mesh: data * fsdp * tensor must equal the {device_count} devices, got "
                 f"{dict(zip(AXES, sizes, strict=True))}"
             )
@@ -89,7 +90,11 @@ class MeshConfig:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
-    """The `(data, fsdp, tensor)` mesh over `devices` (e.g. `jax.devices()`, all processes)."""
+    """The `(data, fsdp, tensor)` mesh over `devices` (e.g. `jax.devices()`, all processes).
+
+    Raises:
+        ConfigError: `cfg` does not fit `len(devices)` devices (`MeshConfig.resolve`).
+    """
     shape = cfg.resolve(len(devices))
     return Mesh(np.asarray(devices).reshape(shape), AXES)
 

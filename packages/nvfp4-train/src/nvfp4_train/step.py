@@ -1,19 +1,24 @@
-"""Train state, the pure train step (with gradient accumulation) and the eval step.
+"""Train state, the model a run builds, the pure train step (with gradient accumulation) and the
+eval step.
 
-These functions read only `cfg.model`, `cfg.precision`, `cfg.optimizer`, `cfg.train.seed`,
-`cfg.train.steps` and `cfg.train.grad_accum_steps` of the run config.
+Each builder takes what it reads, not the whole run config: the model (`ModelSpec`, made from a
+run config by `model_spec`), the optimizer (`optim.make_optimizer` of the `optimizer` section),
+and the seed and accumulation of the `train` section.
 
 Example (`cfg` a run config with `cfg.model.vocab_size` set):
-    graphdef, state = init_state(cfg)
-    optimizer = make_optimizer(cfg, cfg.train.steps)
-    train_step = jax.jit(make_train_step(cfg, graphdef, optimizer), donate_argnums=0)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    graphdef, state = init_state(model_spec(cfg), optimizer, seed=cfg.train.seed)
+    lr = make_schedule(cfg.optimizer, cfg.train.steps)
+    train_step = jax.jit(
+        make_train_step(graphdef, optimizer, lr, seed=cfg.train.seed), donate_argnums=0
+    )
     state, metrics = train_step(state, {"inputs": x_BxL, "targets": y_BxL})
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -23,14 +28,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import nvfp4_ops
-from nvfp4_train.config import ConfigError
+from nvfp4_train.errors import ConfigError
 from nvfp4_train.layers import INPUT_AMAX
 from nvfp4_train.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
-from nvfp4_train.model import Llama, linear_paths
-from nvfp4_train.optim import make_optimizer, make_schedule
+from nvfp4_train.model import Llama
+from nvfp4_train.model_config import ModelConfig, linear_paths
 from nvfp4_train.policy import backend_spec, layer_recipes, run_layout
 from nvfp4_train.sharding import batch_sharding, logits_sharding
-from nvfp4_train.stacking import global_norm
+from nvfp4_train.stacking import LayerLayout, global_norm
 from nvfp4_train.tree_paths import flat_paths
 
 Batch = dict[str, jax.Array]
@@ -55,65 +60,74 @@ class TrainState(NamedTuple):
     activation_amax: dict[str, Any]
 
 
-def init_state(
-    cfg, *, vocab_size: int | None = None, optimizer: optax.GradientTransformation | None = None
-) -> tuple[nnx.GraphDef, TrainState]:
-    """Builds the model from `cfg.model` / `cfg.precision` with seed `cfg.train.seed`.
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How a run builds its `Llama`: every argument but the parameters' seed.
 
-    Args:
-        cfg: The run config.
-        vocab_size: The data's vocabulary size; fills `model.vocab_size` (`with_vocab_size`).
-        optimizer: Defaults to `make_optimizer(cfg, cfg.train.steps)`.
+    Attributes:
+        config: the `model` section (`vocab_size` filled: `with_vocab_size`).
+        recipes: module path -> `nvfp4_ops.Recipe` of the base model (`policy.layer_recipes`).
+        backend: `nvfp4_ops.dot_general`'s backend (`policy.backend_spec` of `precision.backend`).
+        layout: which blocks are stored stacked (`policy.run_layout`).
+    """
+
+    config: ModelConfig
+    recipes: Mapping[str, nvfp4_ops.Recipe]
+    backend: str | tuple[str, ...]
+    layout: LayerLayout
+
+    def build(self, rngs: nnx.Rngs, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None) -> Llama:
+        """The model, with `recipes` instead of the base ones when given."""
+        recipes = dict(self.recipes if recipes is None else recipes)
+        return Llama(self.config, recipes, rngs=rngs, backend=self.backend, layout=self.layout)
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The `ModelSpec` of a run config (reads `model`, `precision`, `train.steps` and
+    `optimizer.no_decay`: the layout stacks only blocks alike in every precision phase and in
+    weight decay)."""
+    return ModelSpec(
+        cfg.model,
+        layer_recipes(cfg.model, cfg.precision),
+        backend_spec(cfg.precision.backend),
+        run_layout(cfg),
+    )
+
+
+def init_state(
+    spec: ModelSpec, optimizer: optax.GradientTransformation, *, seed: int
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Builds the model of `spec` with parameter seed `seed` and its step-0 state.
 
     Returns:
         (graphdef, state): the model's static structure (recipes included) and step-0 state.
     """
-    if vocab_size is not None:
-        cfg = with_vocab_size(cfg, vocab_size)
-    recipes = layer_recipes(cfg.model, cfg.precision)
-    backend = backend_spec(cfg.precision.backend)
-    model = Llama(
-        cfg.model, recipes, rngs=nnx.Rngs(params=cfg.train.seed), backend=backend,
-        layout=run_layout(cfg),
-    )  # fmt: skip
+    model = spec.build(nnx.Rngs(params=seed))
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
-    return graphdef, state_from_params(cfg, params, optimizer=optimizer)
+    return graphdef, state_from_params(spec.config, params, optimizer)
 
 
 def state_from_params(
-    cfg, params: dict[str, Any], *, optimizer: optax.GradientTransformation | None = None
+    model: ModelConfig, params: dict[str, Any], optimizer: optax.GradientTransformation
 ) -> TrainState:
     """The step-0 state of a run whose parameters are `params` (a fresh init, or weights
     imported with `model.init_from`): fresh optimizer state, no activation statistics yet."""
-    optimizer = optimizer if optimizer is not None else make_optimizer(cfg, cfg.train.steps)
-    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(cfg.model)})
+    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(model)})
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
 
 
 def model_graphdef(
-    cfg, *, bf16_forward: bool = False, recipes: dict[str, nvfp4_ops.Recipe] | None = None
+    spec: ModelSpec, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None
 ) -> nnx.GraphDef:
     """The model's static structure (recipes included) without materialising parameters.
 
     `recipes` (module path -> `nvfp4_ops.Recipe`, e.g. a `PrecisionPhase.recipes` of
-    `policy.precision_phases`) default to `layer_recipes(cfg.model, cfg.precision,
-    bf16_forward=bf16_forward)`: with `bf16_forward` the quantized linears run
-    `recipe.with_bf16_fprop()` (the late phase of `precision.bf16_forward_from`). The params tree
-    is the one of `init_state(cfg)` (`run_layout` stacks only blocks alike in every phase), so the
-    same `TrainState` runs through any of them. `cfg.model.vocab_size` must be set.
+    `policy.precision_phases`) default to the spec's. The params tree is the one of
+    `init_state(spec, ...)` (`run_layout` stacks only blocks alike in every phase), so the same
+    `TrainState` runs through any of them.
     """
-    if recipes is None:
-        recipes = layer_recipes(cfg.model, cfg.precision, bf16_forward=bf16_forward)
-    elif bf16_forward:
-        raise ValueError("model_graphdef takes recipes or bf16_forward=True, not both")
-    seed, layout = cfg.train.seed, run_layout(cfg)
-    backend = backend_spec(cfg.precision.backend)
-    abstract = nnx.eval_shape(
-        lambda: Llama(
-            cfg.model, recipes, rngs=nnx.Rngs(params=seed), backend=backend, layout=layout
-        )
-    )
+    abstract = nnx.eval_shape(lambda: spec.build(nnx.Rngs(params=0), recipes))
     return nnx.graphdef(abstract)
 
 
@@ -226,29 +240,44 @@ def _updated_amax(running, step_amax, skipped: jax.Array):
     return jax.tree.map(update, running, step_amax)
 
 
+def step_key(seed: int, step: int | jax.Array) -> jax.Array:
+    """The stochastic-rounding key of the train step at `step` (completed steps before it):
+    `fold_in(key(seed), step)`; the step folds the microbatch index into it."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
 def make_train_step(
-    cfg,
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    *,
+    seed: int,
+    grad_accum_steps: int = 1,
     mesh: Mesh | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns the pure `train_step(state, batch) -> (state, metrics)`; jit it once, donating state.
 
-    The stochastic-rounding key is `fold_in(key(train.seed), step)`, folded again with the
-    microbatch index, so a rerun is bit-identical. Metrics (scalars): `loss` (mean FP32 token
-    cross-entropy of the batch), `grad_norm` (global norm of the unscaled, unclipped gradients),
-    `lr` (the schedule at this step), `skipped` (1 if this update was skipped as non-finite),
-    `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling). With a `mesh`, the tokens
-    and logits are constrained to its batch / vocab sharding (`activation_constraint`).
+    Args:
+        graphdef: the model (`init_state`, `model_graphdef`).
+        optimizer: `optim.make_optimizer` of the `optimizer` section.
+        lr_schedule: the optimizer's learning rate (`optim.make_schedule`), reported as `lr`.
+        seed: `train.seed`: the stochastic-rounding key is `step_key(seed, step)`, folded again
+            with the microbatch index, so a rerun is bit-identical.
+        grad_accum_steps: microbatches per step (`train.grad_accum_steps`).
+        mesh: constrain the tokens and logits to its batch / vocab sharding
+            (`activation_constraint`); None: no constraint.
+
+    Metrics (scalars): `loss` (mean FP32 token cross-entropy of the batch), `grad_norm` (global
+    norm of the unscaled, unclipped gradients), `lr`, `skipped` (1 if this update was skipped as
+    non-finite), `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling).
     """
-    seed, accum = cfg.train.seed, cfg.train.grad_accum_steps
+    accum = grad_accum_steps
     if accum < 1:
         raise ValueError(f"train.grad_accum_steps must be >= 1, got {accum}")
-    schedule = make_schedule(cfg.optimizer, cfg.train.steps)
     constrain = activation_constraint(mesh)
 
     def train_step(state: TrainState, batch: Batch):
-        key = jax.random.fold_in(jax.random.key(seed), state.step)
+        key = step_key(seed, state.step)
         loss_scale = current_loss_scale(state.opt_state)
         amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
         loss, grads, step_amax = _accumulated_grads(
@@ -261,7 +290,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "grad_norm": global_norm(grads) / loss_scale,
-            "lr": schedule(state.step),
+            "lr": lr_schedule(state.step),
             "skipped": skipped.astype(jnp.int32),
             "skipped_total": skipped_steps(opt_state),
             "loss_scale": loss_scale,
@@ -272,14 +301,14 @@ def make_train_step(
 
 
 def make_eval_step(
-    cfg, graphdef: nnx.GraphDef, mesh: Mesh | None = None
+    graphdef: nnx.GraphDef, *, seed: int, mesh: Mesh | None = None
 ) -> Callable[[Any, Batch], tuple[jax.Array, ...]]:
     """Returns `eval_step(params, batch) -> (loss_sum float32, token_count int32)`.
 
-    Forward only: the fixed key `key(train.seed)` is passed for recipes that require one
-    (stochastic rounding only touches gradients, so it does not change the result).
+    Forward only: the fixed key `key(seed)` (`train.seed`) is passed for recipes that require
+    one (stochastic rounding only touches gradients, so it does not change the result).
     """
-    seed, constrain = cfg.train.seed, activation_constraint(mesh)
+    constrain = activation_constraint(mesh)
 
     def eval_step(params, batch: Batch):
         loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
@@ -296,8 +325,7 @@ def count_params(params) -> int:
 def with_vocab_size(cfg, vocab_size: int):
     """The run config with `model.vocab_size` filled from the data's `vocab_size`.
 
-    The one place that fills it (`run`, `evaluate_run` and `init_state(vocab_size=...)` come
-    here): `model.vocab_size=0` takes the data's size; an explicit size must be >= the data's (a
+    The one place that fills it (`run` and `evaluate_run` come here): `model.vocab_size=0` takes the data's size; an explicit size must be >= the data's (a
     larger one pads the embedding, e.g. to a multiple of 128) and is kept.
 
     Raises:

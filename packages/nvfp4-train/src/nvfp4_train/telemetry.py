@@ -7,8 +7,8 @@ the input x, the kernel w and the incoming gradient dy. `make_quant_probe` turns
 touched: its graph is the same whether or not a probe exists, and a probe changes no state.
 
 Example:
-    >>> probe = jax.jit(make_quant_probe(cfg, graphdef))  # doctest: +SKIP
-    >>> stats = probe(state.params, batch, step_key(cfg, state.step))  # doctest: +SKIP
+    >>> probe = jax.jit(make_quant_probe(graphdef, cfg.model))  # doctest: +SKIP
+    >>> stats = probe(state.params, batch, step_key(cfg.train.seed, state.step))  # doctest: +SKIP
     >>> stats["layers.1.mlp.down"]["wgrad_dy"]["rel_error"]  # doctest: +SKIP
 """
 
@@ -24,7 +24,8 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
-from nvfp4_train.model import LINEAR_NAMES, linear_keys, unstacked
+from nvfp4_train.model import linear_keys, unstacked
+from nvfp4_train.model_config import LINEAR_NAMES, ModelConfig
 from nvfp4_train.step import activation_constraint
 from nvfp4_train.tree_paths import flat_paths
 
@@ -32,11 +33,6 @@ Batch = dict[str, jax.Array]
 Operands = tuple[jax.Array, jax.Array, jax.Array]
 QuantStats = dict[str, dict[str, dict[str, jax.Array]]]
 """{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`."""
-
-
-def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
-    del kind
-    return x
 
 
 def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
@@ -64,7 +60,7 @@ def capture_linear_operands(
     batch: Batch,
     key: jax.Array | None = None,
     *,
-    constrain: Callable[[str, jax.Array], jax.Array] = _no_constraint,
+    constrain: Callable[[str, jax.Array], jax.Array] | None = None,
 ) -> dict[str, Operands]:
     """Each linear's GEMM operands on `batch`: {module path: (x, w, dy)}.
 
@@ -74,7 +70,8 @@ def capture_linear_operands(
         batch: {"inputs": int [B, L], "targets": int [B, L]}.
         key: The stochastic-rounding key the model call gets (as `Llama.__call__`'s `key`); it
             changes dy only through the rounding of the gradients flowing into it.
-        constrain: `step.activation_constraint(mesh)` to shard tokens and logits as the train step.
+        constrain: `step.activation_constraint(mesh)` to shard tokens and logits as the train
+            step (None: no constraint).
 
     Returns:
         {path: (x, w, dy)} for every path of `model.linear_paths`, e.g. `layers.3.mlp.down`:
@@ -89,6 +86,7 @@ def capture_linear_operands(
         raise ValueError(
             f"batch must hold 'inputs' and 'targets', got keys {sorted(batch)}; missing {missing}"
         )
+    constrain = activation_constraint(None) if constrain is None else constrain
 
     def loss(perturbations):
         model = _capturing_model(graphdef, params)
@@ -117,11 +115,6 @@ def _model_order(path: str) -> tuple[int, int]:
     return int(index), LINEAR_NAMES.index(name)
 
 
-def step_key(cfg, step: int | jax.Array) -> jax.Array:
-    """The key the train step at `step` (completed steps before it) folds microbatches into."""
-    return jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-
-
 def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
     """{path: recipe} of the model's quantized linears (recipe not "bf16"), in model order."""
     model = unstacked(nnx.merge(graphdef, params))
@@ -144,7 +137,7 @@ def _first_microbatch(batch: Batch, accum: int) -> Batch:
 
 
 def make_quant_probe(
-    cfg, graphdef: nnx.GraphDef, mesh=None
+    graphdef: nnx.GraphDef, model: ModelConfig, *, grad_accum_steps: int = 1, mesh=None
 ) -> Callable[[Any, Batch, jax.Array], QuantStats]:
     """Returns the pure `probe(params, batch, key) -> {path: {role: {stat: scalar}}}`; jit it.
 
@@ -157,22 +150,23 @@ def make_quant_probe(
     are left out.
 
     Args:
-        cfg: The run config (reads `model.num_layers`, `train.grad_accum_steps`).
         graphdef: The graphdef the train step runs.
+        model: The `model` section it was built from (for the per-linear keys).
+        grad_accum_steps: The train step's microbatches per step (`train.grad_accum_steps`).
         mesh: The train step's mesh, to shard tokens and logits the same way (None: no mesh).
 
     Returns:
-        `probe(params, batch, key)`, with `key` the train step's `step_key(cfg, step)` (step =
-        completed steps, i.e. `state.step` of the state whose `params` are passed).
+        `probe(params, batch, key)`, with `key` the train step's `step.step_key(seed, step)`
+        (step = completed steps, i.e. `state.step` of the state whose `params` are passed).
     """
-    accum, constrain = cfg.train.grad_accum_steps, activation_constraint(mesh)
+    accum, constrain = grad_accum_steps, activation_constraint(mesh)
 
     def probe(params, batch: Batch, key: jax.Array) -> QuantStats:
         micro_key = jax.random.fold_in(key, 0)
         operands = capture_linear_operands(
             graphdef, params, _first_microbatch(batch, accum), micro_key, constrain=constrain
         )
-        keys = linear_keys(cfg.model, micro_key)
+        keys = linear_keys(model, micro_key)
         return {
             path: nvfp4_ops.gemm_operand_stats(*operands[path], recipe, keys[path])
             for path, recipe in linear_recipes(graphdef, params).items()
