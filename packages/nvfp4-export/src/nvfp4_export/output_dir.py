@@ -185,6 +185,23 @@ def _os_error(target: Path, err: OSError) -> ExportError:
 
 
 @contextlib.contextmanager
+def _published(staging: Path, target: Path, publish) -> Iterator[None]:
+    """Around the writing of `staging`: on normal exit its modes are set and `publish(staging,
+    target)` puts it in place; on any exception it is deleted (an `OSError` becomes the
+    `ExportError` naming `target`)."""
+    try:
+        yield
+        _default_modes(staging)
+        publish(staging, target)
+    except OSError as err:
+        _remove(staging)
+        raise _os_error(target, err) from err
+    except BaseException:
+        _remove(staging)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_output(
     target: str | Path, *, overwrite: bool, source: CheckpointRef | None = None
 ) -> Iterator[Path]:
@@ -203,16 +220,8 @@ def atomic_output(
         staging.mkdir()
     except OSError as err:
         raise _os_error(target, err) from None
-    try:
+    with _published(staging, target, _replace):
         yield staging
-        _default_modes(staging)
-        _replace(staging, target)
-    except OSError as err:
-        _remove(staging)
-        raise _os_error(target, err) from err
-    except BaseException:
-        _remove(staging)
-        raise
 
 
 @contextlib.contextmanager
@@ -225,12 +234,7 @@ def atomic_file(
     staging = _sibling(target, "tmp")
     try:
         staging.touch(exist_ok=False)
-        yield staging
-        _default_modes(staging)
-        os.replace(staging, target)
     except OSError as err:
-        _remove(staging)
-        raise _os_error(target, err) from err
-    except BaseException:
-        _remove(staging)
-        raise
+        raise _os_error(target, err) from None
+    with _published(staging, target, os.replace):
+        yield staging

@@ -1,0 +1,47 @@
+"""Export's fallback precision policy against the training one.
+
+A checkpoint lists the recipe of every linear (`quant_stats.recipes`); for checkpoints written
+before it did, nvfp4-export re-derives the list from the saved `precision:` section with its own
+copy of the rule (`nvfp4_export.policy`: nvfp4-export never imports nvfp4-train). This test keeps
+the copy in step: for every depth the default first/last BF16 blocks agree, and for configs with
+explicit counts, overrides and a late BF16 forward the two recipe maps are the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nvfp4_export.model_spec import LlamaSpec
+from nvfp4_export.policy import default_bf16_layers as export_default
+from nvfp4_export.policy import linear_recipes
+from nvfp4_train.config import config_from_dict
+from nvfp4_train.config_loader import to_dict
+from nvfp4_train.policy import default_bf16_layers as train_default
+from nvfp4_train.policy import export_recipe_names
+
+
+def test_the_default_bf16_blocks_agree_at_every_depth():
+    assert [export_default(n) for n in range(1, 200)] == [train_default(n) for n in range(1, 200)]
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        {},
+        {"recipe": "mxfp4"},
+        {"bf16_first_layers": 0, "bf16_last_layers": 3},
+        {"overrides": [r"layers\.2\..*=bf16", r"layers\.[0-9]+\.mlp\.down=nvfp4-no-sr"]},
+        {"recipe": "nvfp4-4over6", "bf16_forward_from": 0.5},
+    ],
+)
+@pytest.mark.parametrize("layers", [1, 4, 12])
+def test_export_rederives_the_recipe_map_training_records(precision, layers):
+    model = {"vocab_size": 256, "d_model": 64, "num_layers": layers, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 128}  # fmt: skip
+    if layers < 3 and "overrides" in precision:
+        precision = {**precision, "overrides": [precision["overrides"][1]]}
+    cfg = config_from_dict({"model": model, "precision": precision, "train": {"steps": 10}})
+    spec = LlamaSpec(vocab_size=256, d_model=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+                     head_dim=16, mlp_dim=128)  # fmt: skip
+    recorded = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
+    assert linear_recipes(spec, to_dict(cfg), None) == recorded
