@@ -256,6 +256,24 @@ def _unquantized_gemm_operand(q: jax.Array, transposed: bool):
     return vals, None, jnp.float32(1.0)
 
 
+def _mx_format(
+    name: str,
+    quantize: Callable[..., Any],
+    decode: Callable[[Any, Any], jax.Array],
+    values: Callable[[Any], jax.Array],
+    elem_max: float,
+    *,
+    stochastic: bool,
+) -> FormatOps:
+    """The table entry of an MX format: 1x32 blocks with E8M0 scales (`_mx_dequantize`,
+    `_mx_gemm_operand`, `_mx_counts`), elements `values(q)` saturating at `elem_max`."""
+    return FormatOps(
+        block_shapes=((1, 32),), stochastic=stochastic, quantized=True, quantize=quantize,
+        dequantize=_mx_dequantize(decode), gemm_operand=_mx_gemm_operand(name, values),
+        counts=_mx_counts(elem_max),
+    )  # fmt: skip
+
+
 _FP8 = {
     "block_shapes": (None,),
     "stochastic": False,
@@ -279,24 +297,22 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             block_scale_rules=("max", "4over6"),
             outer_scales=("tensor", "row"),
         ),
-        "mxfp4": FormatOps(
-            block_shapes=((1, 32),),
+        "mxfp4": _mx_format(
+            "MXFP4",
+            _quantize_mxfp4,
+            nvfp4_format.dequantize_mxfp4,
+            lambda q: _fp4_values(q.packed),
+            E2M1_MAX,
             stochastic=True,
-            quantized=True,
-            quantize=_quantize_mxfp4,
-            dequantize=_mx_dequantize(nvfp4_format.dequantize_mxfp4),
-            gemm_operand=_mx_gemm_operand("MXFP4", lambda q: _fp4_values(q.packed)),
-            counts=_mx_counts(E2M1_MAX),
-        ),
-        "mxfp8": FormatOps(
-            block_shapes=((1, 32),),
+        ),  # fmt: skip
+        "mxfp8": _mx_format(
+            "MXFP8",
+            _quantize_mxfp8,
+            nvfp4_format.dequantize_mxfp8,
+            lambda q: q.data,
+            E4M3_MAX,
             stochastic=False,
-            quantized=True,
-            quantize=_quantize_mxfp8,
-            dequantize=_mx_dequantize(nvfp4_format.dequantize_mxfp8),
-            gemm_operand=_mx_gemm_operand("MXFP8", lambda q: q.data),
-            counts=_mx_counts(E4M3_MAX),
-        ),
+        ),  # fmt: skip
         "fp8_e4m3": FormatOps(**_FP8),
         "fp8_e5m2": FormatOps(**_FP8),
         "bf16": FormatOps(
