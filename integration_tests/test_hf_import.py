@@ -82,8 +82,9 @@ def test_first_step_loss_matches_transformers(hf_case):
     import jax
     import torch
 
-    from nvfp4_train.optim import make_optimizer, make_schedule
-    from nvfp4_train.step import make_train_step, state_from_params
+    from nvfp4_train.optim import make_optimizer
+    from nvfp4_train.resume import run_train_step
+    from nvfp4_train.step import state_from_params
 
     case, model_dir, model = hf_case
     cfg, graphdef, params, _ = _import(model_dir)
@@ -91,11 +92,7 @@ def test_first_step_loss_matches_transformers(hf_case):
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     state = state_from_params(cfg.model, params, optimizer)
-    lr = make_schedule(cfg.optimizer, cfg.train.steps)
-    step = make_train_step(
-        graphdef, optimizer, lr, seed=cfg.train.seed, grad_accum_steps=cfg.train.grad_accum_steps
-    )
-    _, metrics = jax.jit(step)(state, batch)
+    _, metrics = jax.jit(run_train_step(cfg, graphdef, optimizer))(state, batch)
     with torch.no_grad():
         ref = model(
             torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)

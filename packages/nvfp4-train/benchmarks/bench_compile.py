@@ -29,10 +29,9 @@ import numpy as np
 
 from nvfp4_train.config import load_config
 from nvfp4_train.model_config import REMAT_POLICIES
-from nvfp4_train.optim import make_optimizer, make_schedule
 from nvfp4_train.policy import run_layout
-from nvfp4_train.resume import abstract_state, initial_state
-from nvfp4_train.step import count_params, make_train_step
+from nvfp4_train.resume import abstract_state, initial_state, run_train_step
+from nvfp4_train.step import count_params
 
 MIB = 2**20
 
@@ -51,14 +50,7 @@ def measure(config: str, overrides: list[str], vocab: int, steps: int = 0) -> di
     state = jax.jit(lambda: initial_state(cfg)[1])()
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    steps, train = cfg.train.steps, cfg.train
-    step = jax.jit(
-        make_train_step(
-            graphdef, make_optimizer(cfg.optimizer, steps), make_schedule(cfg.optimizer, steps),
-            seed=train.seed, grad_accum_steps=train.grad_accum_steps,
-        ),
-        donate_argnums=0,
-    )  # fmt: skip
+    step = jax.jit(run_train_step(cfg, graphdef), donate_argnums=0)
     batch = _batch(cfg, vocab)
     lowered = step.lower(state, batch)
     t2 = time.perf_counter()

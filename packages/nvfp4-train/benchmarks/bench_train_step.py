@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_train.config import load_config
-from nvfp4_train.optim import make_optimizer, make_schedule
-from nvfp4_train.resume import initial_state
-from nvfp4_train.step import count_params, make_train_step, with_vocab_size
+from nvfp4_train.resume import initial_state, run_train_step
+from nvfp4_train.step import count_params, with_vocab_size
 
 VARIANTS = {
     "bf16": ["precision.recipe=bf16"],
@@ -44,14 +43,7 @@ VARIANTS = {
 def _compiled_step(config: str, overrides: list[str], vocab: int):
     cfg = with_vocab_size(load_config(config, overrides), vocab)
     graphdef, state = initial_state(cfg)
-    steps, train = cfg.train.steps, cfg.train
-    step = jax.jit(
-        make_train_step(
-            graphdef, make_optimizer(cfg.optimizer, steps), make_schedule(cfg.optimizer, steps),
-            seed=train.seed, grad_accum_steps=train.grad_accum_steps,
-        ),
-        donate_argnums=0,
-    )  # fmt: skip
+    step = jax.jit(run_train_step(cfg, graphdef), donate_argnums=0)
     b, seq = cfg.train.batch_size, cfg.train.seq_len
     tokens = np.random.default_rng(0).integers(0, vocab, size=(b, seq + 1), dtype=np.int32)
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}

@@ -3,8 +3,9 @@ tests that drive the steps directly."""
 
 from __future__ import annotations
 
-from nvfp4_train.optim import make_optimizer, make_schedule
-from nvfp4_train.step import init_state, make_eval_step, make_train_step, model_spec
+from nvfp4_train.optim import make_optimizer
+from nvfp4_train.resume import run_train_step
+from nvfp4_train.step import init_state, make_eval_step, model_spec
 from nvfp4_train.telemetry import make_quant_probe
 
 
@@ -21,11 +22,7 @@ def initial(cfg, optimizer=None):
 
 def train_step_of(cfg, graphdef, optimizer=None):
     """The (unjitted) train step of `cfg` on `graphdef`, with the run's optimizer by default."""
-    optimizer = run_optimizer(cfg) if optimizer is None else optimizer
-    lr = make_schedule(cfg.optimizer, cfg.train.steps)
-    return make_train_step(
-        graphdef, optimizer, lr, seed=cfg.train.seed, grad_accum_steps=cfg.train.grad_accum_steps
-    )
+    return run_train_step(cfg, graphdef, optimizer)
 
 
 def eval_step_of(cfg, graphdef):

@@ -31,8 +31,9 @@ from nvfp4_train.errors import RunError
 from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import RunOutputs, format_row, quant_row, summarize_window
 from nvfp4_train.model_config import linear_paths
-from nvfp4_train.optim import make_optimizer, make_schedule
+from nvfp4_train.optim import make_optimizer
 from nvfp4_train.policy import bf16_forward_start, precision_phases
+from nvfp4_train.resume import run_train_step
 from nvfp4_train.run_dir import CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
 from nvfp4_train.schedule import forward_weight_names, phase_changes, phase_index
 from nvfp4_train.sharding import batch_sharding, global_batch, host_value
@@ -40,7 +41,6 @@ from nvfp4_train.step import (
     flat_amax,
     forward,
     make_eval_step,
-    make_train_step,
     model_graphdef,
     model_spec,
     step_key,
@@ -171,11 +171,7 @@ class TrainingLoop:
     def _jitted(self, graphdef: Any) -> Phase:
         """The jitted steps of `graphdef` with the state's shardings."""
         train, mesh, state_sh = self.cfg.train, self.mesh, self.state_sh
-        lr = make_schedule(self.cfg.optimizer, train.steps)
-        step = make_train_step(
-            graphdef, self.optimizer, lr, seed=train.seed,
-            grad_accum_steps=train.grad_accum_steps, mesh=mesh,
-        )  # fmt: skip
+        step = run_train_step(self.cfg, graphdef, self.optimizer, mesh)
         probe = make_quant_probe(
             graphdef, self.cfg.model, grad_accum_steps=train.grad_accum_steps, mesh=mesh
         )

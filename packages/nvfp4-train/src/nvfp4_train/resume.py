@@ -25,9 +25,9 @@ from nvfp4_train.config_loader import to_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.hf_weights import load_hf_params
 from nvfp4_train.metrics import truncate_metrics
-from nvfp4_train.optim import make_optimizer
+from nvfp4_train.optim import make_optimizer, make_schedule
 from nvfp4_train.sharding import tree_shardings
-from nvfp4_train.step import init_state, model_spec, state_from_params
+from nvfp4_train.step import init_state, make_train_step, model_spec, state_from_params
 
 
 def initial_state(cfg: Config) -> tuple[Any, Any]:
@@ -35,6 +35,18 @@ def initial_state(cfg: Config) -> tuple[Any, Any]:
     of its `step.model_spec`, its optimizer (`optimizer` section, `train.steps`) and `train.seed`."""
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     return init_state(model_spec(cfg), optimizer, seed=cfg.train.seed)
+
+
+def run_train_step(cfg: Config, graphdef: Any, optimizer: Any = None, mesh: Mesh | None = None):
+    """The (unjitted) train step of a run config on `graphdef`: `step.make_train_step` with the
+    config's learning-rate schedule, `train.seed` and `train.grad_accum_steps`, and its optimizer
+    (`optimizer` section, `train.steps`) unless one is given."""
+    steps = cfg.train.steps
+    optimizer = make_optimizer(cfg.optimizer, steps) if optimizer is None else optimizer
+    return make_train_step(
+        graphdef, optimizer, make_schedule(cfg.optimizer, steps), seed=cfg.train.seed,
+        grad_accum_steps=cfg.train.grad_accum_steps, mesh=mesh,
+    )  # fmt: skip
 
 
 def abstract_state(cfg: Config) -> tuple[Any, Any]:
