@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 import te_convert as tc
 
 import nvfp4_format as nf
@@ -216,3 +217,56 @@ def test_stochastic_rounding_has_te_scales_and_support_and_is_unbiased(reference
         sigma = gap / 2 / np.sqrt(len(draws))
         assert (np.abs(mean - scaled) <= 5 * sigma + gap / 512 + 1e-7).all(), role
         assert (np.std(values, axis=0) > 0).mean() > 0.5  # the draws really differ
+
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+CALL_PATTERNS = {
+    # name: (x dtype, w dtype, preferred_element_type, how the cotangent arrives)
+    "bf16-out-bf16-cotangent": (BF16, BF16, None, "as-output"),
+    "f32-out-f32-cotangent": (BF16, BF16, F32, "as-output"),
+    "f32-out-f32-cotangent-finer-than-bf16": (BF16, BF16, F32, "finer"),
+    "f32-out-cast-to-bf16": (BF16, BF16, F32, "through-bf16-cast"),
+    "bf16-out-explicit": (BF16, BF16, BF16, "as-output"),
+    "f32-master-weight": (BF16, F32, None, "as-output"),
+    "f32-master-weight-bf16-out": (BF16, F32, BF16, "as-output"),
+}
+"""The ways training code calls `dot_general` on BF16 activations. TE's dense receives dY in its
+input's dtype whatever happens after it, so in each pattern both rotated Wgrad operands are
+TE's bf16-rounded ones."""
+
+
+@pytest.fixture(scope="module")
+def te_rne_operands(reference):
+    x, w, dy = _data()
+    return (x, w, dy), _te_operands(*_te_quantized(reference, x, w, dy))
+
+
+@pytest.mark.parametrize("pattern", list(CALL_PATTERNS))
+def test_every_call_pattern_rounds_both_rotated_wgrad_operands_as_te(te_rne_operands, pattern):
+    (x, w, dy), theirs = te_rne_operands
+    x_dtype, w_dtype, preferred, cotangent = CALL_PATTERNS[pattern]
+    recipe, key = nvfp4_ops.get_recipe("nvfp4-no-sr"), jax.random.key(0)
+
+    def linear(a, b):
+        y = nvfp4_ops.dot_general(
+            a, b, MATMUL, preferred_element_type=preferred, recipe=recipe, key=key,
+            backend="emulated",
+        )  # fmt: skip
+        return y.astype(BF16) if cotangent == "through-bf16-cast" else y
+
+    @jax.jit
+    def run(x, w, dy):
+        y, pullback = jax.vjp(linear, x.astype(x_dtype), w.astype(w_dtype))
+        g = dy.astype(y.dtype)
+        if cotangent == "finer":  # below half a BF16 ulp: TE's BF16 output would round it away
+            g = g * jnp.float32(1 + 2**-12)
+        return (y, *pullback(g))
+
+    _, dx, dw = run(jnp.asarray(x), jnp.asarray(w), jnp.asarray(dy))
+    assert (dx.dtype, dw.dtype) == (x_dtype, w_dtype)
+    replay = {
+        "dw": _replay(theirs["wgrad_x"], theirs["wgrad_dy"]).astype(w_dtype),
+        "dx": _replay(theirs["dgrad_dy"], theirs["fprop_w"], b_transposed=True).astype(x_dtype),
+    }
+    np.testing.assert_array_equal(np.asarray(dw), replay["dw"], err_msg=f"{pattern}: dW")
+    np.testing.assert_array_equal(np.asarray(dx), replay["dx"], err_msg=f"{pattern}: dX")

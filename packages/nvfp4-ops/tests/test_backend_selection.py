@@ -186,3 +186,24 @@ def test_te_host_support_checks_version_environment_and_te_own_check(fake_te):
 def test_te_alignment_covers_cublas_and_the_rht_kernels():
     assert te_backend.te_alignment(get_recipe("nvfp4")) == (64, 128, 128)
     assert te_backend.te_alignment(get_recipe("nvfp4-no-rht")) == (32, 32, 32)
+
+
+@pytest.mark.parametrize(
+    ("devices", "offered"),
+    [
+        ([("NVIDIA B200", "10.0")], True),
+        ([("NVIDIA GB300", "10.3"), ("NVIDIA GB300", "10.3")], True),
+        ([("NVIDIA GeForce RTX 5090", "12.0")], False),
+        ([("NVIDIA DGX Spark GB10", "12.1")], False),
+        ([("NVIDIA B200", "10.0"), ("NVIDIA RTX PRO 6000", "12.0")], False),
+    ],
+)
+def test_te_is_offered_on_data_center_blackwell_only(fake_te, monkeypatch, devices, offered):
+    fake_te("2.20.2")  # TE's own check passes on sm_120 (it asks for compute capability >= 10.0)
+    monkeypatch.setitem(sys.modules, "transformer_engine.jax", types.ModuleType("te_jax"))
+    local = [_Device("gpu", kind, cc) for kind, cc in devices]
+    monkeypatch.setattr(backends.jax, "local_devices", lambda: local)
+    ok, why = backends._te_available()
+    assert ok == offered, why
+    if not offered:
+        assert "sm_100/sm_103 only" in why and "sm_12" in why

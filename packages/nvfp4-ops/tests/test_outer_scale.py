@@ -152,7 +152,10 @@ def test_xla_backend_agrees_with_emulated(recipe):
     key = jax.random.key(11)
     emulated = _grads(recipe, "emulated")(x, w, dy, key)
     xla = _grads(recipe, "xla")(x, w, dy, key)
-    scales = (jnp.abs(x) @ jnp.abs(w), jnp.abs(dy) @ jnp.abs(w).T, jnp.abs(x).T @ jnp.abs(dy))
+    # Wgrad contracts x^T and dY^T rotated along the tokens: its sum of |terms| is that of the
+    # rotated operands, which can exceed |x|^T |dY| (the RHT spreads each token over 16).
+    hx, hdy = (nvfp4_ops.hadamard_transform(t.T) for t in (x, dy))
+    scales = (jnp.abs(x) @ jnp.abs(w), jnp.abs(dy) @ jnp.abs(w).T, jnp.abs(hx) @ jnp.abs(hdy).T)
     for name, a, b, scale in zip(("y", "dx", "dw"), emulated, xla, scales, strict=True):
         # Same codes and scales; only the FP32 summation order and where the (per-row) outer
         # scales are applied differ.

@@ -67,6 +67,25 @@ def blackwell_devices() -> list[str]:
     return out
 
 
+TE_TRAINING_ARCHS = ((10, 0), (10, 3))
+"""Compute capabilities on which TE's NVFP4 training kernels run: data-center Blackwell (sm_100:
+B200, GB200; sm_103: B300, GB300). Consumer and workstation Blackwell (sm_120/121: RTX 50, RTX PRO
+6000, DGX Spark) pass TE's own check (compute capability >= 10.0), but its fused RHT-cast kernel
+uses TMEM and UMMA instructions those chips lack and fails there with "CUDA Error: invalid
+argument" (NVIDIA/TransformerEngine issues 2372, 2956, 3062; PR 2968 only reroutes the PyTorch
+path), and the stochastic-rounding cast needs the sm_100 family's `cvt.rs` instruction."""
+
+
+def te_unsupported_gpus() -> list[str]:
+    """Local CUDA GPUs outside `TE_TRAINING_ARCHS` (described as in `blackwell_devices`)."""
+    out = []
+    for d in jax.local_devices():
+        cc = compute_capability(d)
+        if d.platform == "gpu" and cc is not None and cc not in TE_TRAINING_ARCHS:
+            out.append(f"{d.device_kind} (sm_{cc[0]}{cc[1]})")
+    return out
+
+
 def _cuda() -> bool:
     return any(compute_capability(d) is not None for d in jax.local_devices())
 
@@ -110,6 +129,12 @@ def _te_available() -> tuple[bool, str]:
     if not gpus:
         kinds = sorted({f"{d.platform}:{d.device_kind}" for d in jax.local_devices()})
         return False, f"TE's NVFP4 GEMMs need an sm_100+ GPU, found {kinds}"
+    others = te_unsupported_gpus()
+    if others:
+        return False, (
+            f"TE trains NVFP4 on sm_100/sm_103 only (its fused RHT and stochastic-rounding "
+            f"kernels need data-center Blackwell), found {others}"
+        )
     ok, why = te_host_support(os.environ)
     return ok, why if not ok else f"{why}; GPUs {gpus}"
 

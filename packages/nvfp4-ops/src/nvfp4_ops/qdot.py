@@ -5,8 +5,10 @@ Fprop  y  = Q(x; fprop_input, along K)  . Q(w^T; fprop_weight, along K)
 Dgrad  dx = Q(dy; grad, along N)        . W as quantized for Dgrad (the Fprop W if 2D/per-tensor)
 Wgrad  dw = Q(H x^T; fprop_input, along M) . Q(H dy^T; grad, along M)   (H: RHT along M, optional;
        H x^T is rounded to x's dtype when that is BF16/FP16, as TransformerEngine does)
-dY enters both backward GEMMs in the compute dtype (the promoted dtype of x and w), as with
-TransformerEngine, whose dense layer returns and receives the input dtype. The residuals saved for
+dY enters both backward GEMMs in x's dtype (`GemmConfig.grad_dtype`), as with TransformerEngine,
+whose dense layer returns and receives its input's dtype: for BF16 activations both rotated Wgrad
+operands are rounded to BF16, whatever the weight's dtype, `preferred_element_type` or the dtype
+of the arriving cotangent. The residuals saved for
 the backward pass are the quantized W for Dgrad and the rotated,
 quantized x^T for Wgrad (packed FP4 codes + scales), never a BF16/FP32 copy of x.
 With `recipe.bf16_fprop` the Fprop GEMM is y = x . w on the unquantized operands (FP32
@@ -74,9 +76,11 @@ class GemmConfig:
     rhs_dtype: np.dtype
 
     @property
-    def compute_dtype(self) -> np.dtype:
-        """The promoted dtype of lhs and rhs: the dtype dY enters the backward GEMMs in."""
-        return np.dtype(jnp.result_type(self.lhs_dtype, self.rhs_dtype))
+    def grad_dtype(self) -> np.dtype:
+        """The dtype dY enters both backward GEMMs in: the activation's (lhs), as TE's dense layer
+        receives its gradient in its input's dtype. The cotangent is rounded to it first, and the
+        rotated dY^T of Wgrad is rounded to it as the rotated x^T is (`wgrad_rotation`)."""
+        return self.lhs_dtype
 
 
 def dgrad_weight_quant(recipe: Recipe) -> tuple[TensorQuant, bool]:
@@ -155,7 +159,7 @@ def _bwd(cfg: GemmConfig, residuals, dy):
     ops, keys = operand_quants(recipe), split_keys(key)
     dgrad_dy, dgrad_w = ops["dgrad_dy"], ops["dgrad_w"]
     wgrad_x, wgrad_dy = ops["wgrad_x"], ops["wgrad_dy"]
-    dy = computed_once(dy.astype(cfg.compute_dtype))
+    dy = computed_once(dy.astype(cfg.grad_dtype))
     with jax.named_scope("nvfp4/dgrad"):
         qdy = _quantized(dgrad_dy, dy, keys)
         dx = gemm(qdy, dgrad_dy.tq, qw_dgrad, dgrad_w.tq, b_transposed=dgrad_w.reuses is not None)

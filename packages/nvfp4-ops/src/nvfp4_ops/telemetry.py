@@ -135,8 +135,7 @@ def gemm_operands(
     its SR key). Tokens are x's leading dims flattened (M); M, K, N are zero-padded to
     `recipe.alignment` as `dot_general` does. With `recipe.bf16_fprop` there are no Fprop roles;
     a 2D/per-tensor W quantized for Dgrad is then "dgrad_w" (drawn, as in `qdot`, with the
-    "fprop_w" key). dy is taken in the compute dtype (the promoted dtype of x and w), as `qdot`
-    does. Roles whose TensorQuant is "bf16" are left out.
+    "fprop_w" key). dy is taken in x's dtype, as `qdot` does (`GemmConfig.grad_dtype`). Roles whose TensorQuant is "bf16" are left out.
     """
     _check_shapes(x, w, dy)
     k, n = w.shape
@@ -145,7 +144,7 @@ def gemm_operands(
     tensors = {
         "x": pad_to(x.reshape(1, m, k), (1, a, a)),
         "w": pad_to(w.reshape(1, k, n), (1, a, a)),
-        "dy": pad_to(dy.reshape(1, m, n).astype(jnp.result_type(x, w)), (1, a, a)),
+        "dy": pad_to(dy.reshape(1, m, n).astype(x.dtype), (1, a, a)),
     }
     return {
         role: (operand_view(op, tensors[op.spec.tensor]), op.tq, op.key_slot)
