@@ -1,23 +1,31 @@
-"""Export's fallback precision policy against the training one.
+"""Export's fallback precision policy and architecture table against the training ones.
 
 A checkpoint lists the recipe of every linear (`quant_stats.recipes`); for checkpoints written
 before it did, nvfp4-export re-derives the list from the saved `precision:` section with its own
 copy of the rule (`nvfp4_export.policy`: nvfp4-export never imports nvfp4-train). This test keeps
 the copy in step: for every depth the default first/last BF16 blocks agree, and for configs with
-explicit counts, overrides and a late BF16 forward the two recipe maps are the same.
+explicit counts, overrides and a late BF16 forward the two recipe maps are the same. Export's
+copy of the biases and norms each architecture builds (its check of hand-edited configs) is
+training's table.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from nvfp4_export.model_spec import ARCHITECTURE_OPTIONS as EXPORT_ARCHITECTURES
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.policy import default_bf16_layers as export_default
 from nvfp4_export.policy import linear_recipes
 from nvfp4_train.config import config_from_dict
 from nvfp4_train.config_loader import to_dict
+from nvfp4_train.model_config import ARCHITECTURE_OPTIONS as TRAIN_ARCHITECTURES
 from nvfp4_train.policy import default_bf16_layers as train_default
 from nvfp4_train.policy import export_recipe_names
+
+
+def test_export_checks_the_architectures_training_allows():
+    assert EXPORT_ARCHITECTURES == TRAIN_ARCHITECTURES
 
 
 def test_the_default_bf16_blocks_agree_at_every_depth():

@@ -33,8 +33,8 @@ def random_params(model: dict, seed: int = 0) -> dict:
     def w(*shape, std=0.05):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    def norm():
-        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    def norm(size=d):
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
     layers = {
         str(i): {
@@ -45,6 +45,14 @@ def random_params(model: dict, seed: int = 0) -> dict:
         }
         for i in range(n)
     }
+    for layer in layers.values():  # the architecture options (model_spec.ARCHITECTURE_OPTIONS)
+        attn = layer["attn"]
+        if model.get("qkv_bias"):
+            attn["qkv"]["bias"] = w((nh + 2 * nkv) * hd, std=0.5)
+        if model.get("o_bias"):
+            attn["o"]["bias"] = w(d, std=0.5)
+        if model.get("qk_norm"):
+            attn["q_norm"], attn["k_norm"] = {"scale": norm(hd)}, {"scale": norm(hd)}
     params = {
         "embed": {"embedding": w(v, d, std=0.5)},
         "layers": layers,
@@ -141,3 +149,28 @@ def add_pytree_item(step_dir: Path, name: str, tree: dict) -> None:
     import orbax.checkpoint as ocp
 
     ocp.PyTreeCheckpointer().save((step_dir / name).absolute(), tree)
+
+
+SMALL_MODEL = {"d_model": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32,
+               "max_seq_len": 16}  # fmt: skip
+"""The smallest model with one NVFP4 block (0) and one BF16 block (1) by the policy rule."""
+ARCH_CASES = {
+    "llama": {},
+    "llama-bias": {"qkv_bias": True, "o_bias": True},
+    "llama-tied": {"tie_embeddings": True},
+    "mistral": {"architecture": "mistral"},
+    "qwen2": {"architecture": "qwen2", "qkv_bias": True},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True},
+    "qwen3-bias": {"architecture": "qwen3", "qkv_bias": True, "o_bias": True, "qk_norm": True},
+}
+"""Every architecture and option training builds (its `ModelConfig` check), tied heads included."""
+
+
+@pytest.fixture(scope="session")
+def arch_runs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny trained run (activation amax in `quant_stats`) per `ARCH_CASES` entry."""
+    root = tmp_path_factory.mktemp("arch_runs")
+    return {
+        case: write_run(root / case, model=model_config(**SMALL_MODEL, **options))
+        for case, options in ARCH_CASES.items()
+    }

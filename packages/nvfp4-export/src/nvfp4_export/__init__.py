@@ -20,12 +20,14 @@ from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.onnx_export import export_onnx
 from nvfp4_export.policy import linear_recipes
 from nvfp4_export.reload import load_export
+from nvfp4_export.servers import SERVERS
 from nvfp4_export.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LAYOUTS",
+    "SERVERS",
     "Checkpoint",
     "CheckpointRef",
     "ExportError",

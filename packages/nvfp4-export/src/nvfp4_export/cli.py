@@ -10,6 +10,7 @@ from nvfp4_export.errors import ExportError
 from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
 from nvfp4_export.layouts import LAYOUTS
 from nvfp4_export.onnx_graph import FORMS
+from nvfp4_export.servers import SERVERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     hf.add_argument("--calibration-text", default=None, help="text file for --calibrate sequences")
     hf.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    hf.add_argument("--server", action="append", choices=SERVERS, dest="servers", default=None,
+                    help="a server the export is for (repeat for several; default: every server "
+                    "that loads the layout and mode)")  # fmt: skip
+    hf.add_argument("--allow-dropped-tensors", action="store_true",
+                    help="export even if a server would drop a trained tensor (warns)")  # fmt: skip
     ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
     ox.add_argument("checkpoint")
     ox.add_argument("out_file")
@@ -50,6 +56,7 @@ def _hf(args: argparse.Namespace) -> int:
         args.checkpoint, args.out_dir, layout=args.layout, weight_only=args.weight_only,
         step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
         calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
+        servers=args.servers, allow_dropped_tensors=args.allow_dropped_tensors,
         log=lambda m: print(m, file=sys.stderr),
     )  # fmt: skip
     plan = result.plan
@@ -57,7 +64,7 @@ def _hf(args: argparse.Namespace) -> int:
     print(
         f"wrote {result.out_dir} ({plan.layout}, {plan.fmt}, {mode}; step {result.step}; "
         f"{result.total_bytes / 1e6:.2f} MB of weights; {len(plan.excluded)} modules kept in BF16; "
-        f"{result.seconds:.1f} s)"
+        f"for {', '.join(result.servers)}; {result.seconds:.1f} s)"
     )
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
@@ -40,6 +40,7 @@ from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
+from nvfp4_export.servers import check_servers
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
@@ -53,6 +54,7 @@ class ExportResult:
         step: the checkpoint step exported.
         plan: layout, FP4 format, W4A4 or weight-only, excluded modules.
         amax_source: where input scales came from: "quant_stats", "calibration" or None.
+        servers: the servers the export was checked for (`servers.SERVERS` names).
         files: files written (relative names).
         total_bytes: bytes of the weight files.
         seconds: wall time of the export.
@@ -63,6 +65,7 @@ class ExportResult:
     step: int
     plan: LayoutPlan
     amax_source: str | None
+    servers: tuple[str, ...]
     files: tuple[str, ...]
     total_bytes: int
     seconds: float
@@ -113,8 +116,8 @@ def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...
         )
     return (
         f"{why}: exported WEIGHT-ONLY (W4A16, no input scales); vLLM and transformers load it, "
-        "vLLM runs it W4A16 (Marlin). Pass --calibrate N for W4A4, or --weight-only to say "
-        "weight-only is meant",
+        "vLLM runs it W4A16 (Marlin), TensorRT-LLM does not load it. Pass --calibrate N for "
+        "W4A4, or --weight-only to say weight-only is meant",
     )
 
 
@@ -142,7 +145,7 @@ def _refuse_per_token_w4a4(plan: LayoutPlan, recipes: dict[str, str]) -> None:
             )
 
 
-def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan) -> dict:
+def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan, servers) -> dict:
     return {
         "producer": "nvfp4-export 0.1.0",
         "source": str(ckpt.ref.step_dir),
@@ -156,6 +159,7 @@ def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan) 
         "recipes_from": QUANT_STATS_ITEM if (ckpt.quant_stats or {}).get("recipes") else "config",
         "input_amax": amax if plan.w4a4 else {},
         "input_amax_from": source if plan.w4a4 else None,
+        "servers": list(servers),
     }
 
 
@@ -190,6 +194,8 @@ def export_hf(
     calibrate_n: int = 0,
     calibration_text: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    servers: Sequence[str] | None = None,
+    allow_dropped_tensors: bool = False,
     log: Callable[[str], None] = lambda _: None,
 ) -> ExportResult:
     """Exports a training checkpoint as a Hugging Face Llama directory in `layout`.
@@ -204,11 +210,17 @@ def export_hf(
         calibrate_n: run a calibration pass over this many sequences for the input scales.
         calibration_text: a text file to draw calibration sequences from.
         max_shard_bytes: split weights into shards of at most this size (plus an index).
+        servers: the servers the export is for (`servers.SERVERS`: "vllm", "sglang",
+            "tensorrt-llm", "transformers"); default every server that loads the layout and mode.
+        allow_dropped_tensors: export even when one of `servers` would drop a trained tensor (a
+            Qwen 3 `o_proj` bias in vLLM), with a warning in `notes`, instead of refusing.
         log: receives progress messages and notes.
 
     Raises:
-        ExportError: bad checkpoint, layout, dimensions or output path, or a ModelOpt export
-            without input scales that was not asked to be weight-only (nothing is left behind).
+        ExportError: bad checkpoint, layout, dimensions or output path; a model whose
+            architecture cannot hold its biases and norms; a ModelOpt export without input
+            scales that was not asked to be weight-only; a named server that does not load the
+            layout or mode, or one that would drop a trained tensor (nothing is left behind).
 
     Example:
         >>> export_hf("runs/tiny", "runs/tiny-hf", layout="compressed-tensors")  # doctest: +SKIP
@@ -231,13 +243,15 @@ def export_hf(
     plan = plan_layout(layout, linears, weight_only=weight_only)
     _refuse_per_token_w4a4(plan, recipes)
     notes = _weight_only_fallback(plan, weight_only)  # before writing anything
-    provenance = _provenance(ckpt, spec, recipes, amax, source, plan)
+    targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
+    notes += dropped
+    provenance = _provenance(ckpt, spec, recipes, amax, source, plan, targets)
     with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:
         files = _write_dir(tmp, ckpt, spec, linears, plan, provenance, max_shard_bytes)
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
     for note in notes:
         log("warning: " + note)
     return ExportResult(
-        out_dir, ckpt.ref.step, plan, source if plan.w4a4 else None, tuple(files), total,
+        out_dir, ckpt.ref.step, plan, source if plan.w4a4 else None, targets, tuple(files), total,
         time.perf_counter() - start, notes,
     )  # fmt: skip

@@ -113,20 +113,23 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
         problems.append(f"config.json is not a {ARCHITECTURES[arch]} config")
     qc = cfg.get("quantization_config")
     excluded = prov.get("excluded") or []
+    expected = sorted([*excluded, *fused_exclusions(tuple(excluded))])
     if prov["format"] == BF16:
         return problems + (["a BF16 export must have no quantization_config"] if qc else [])
     if loaded.layout == COMPRESSED_TENSORS:
         fmt = FORMATS[prov["format"]].ct_format if prov["format"] in FORMATS else None
         if not qc or qc.get("quant_method") != "compressed-tensors" or qc.get("format") != fmt:
             problems.append(f"quantization_config must be compressed-tensors format {fmt}")
-        elif sorted(qc.get("ignore", [])) != sorted(excluded):
-            problems.append("quantization_config.ignore does not list exactly the BF16 modules")
+        elif sorted(qc.get("ignore", [])) != expected:
+            problems.append(
+                "quantization_config.ignore does not list exactly the BF16 modules and their "
+                "fused groups"
+            )
         return problems
     hq = (loaded.hf_quant_config or {}).get("quantization")
     if not hq or "producer" not in (loaded.hf_quant_config or {}):
         return problems + ["hf_quant_config.json missing, or without producer/quantization"]
     problems += [f"hf_quant_config.json lacks {k}" for k in _MODELOPT_KEYS if k not in hq]
-    expected = sorted([*excluded, *fused_exclusions(tuple(excluded))])
     if sorted(hq.get("exclude_modules", [])) != expected:
         problems.append(
             "exclude_modules does not list exactly the BF16 modules and their fused groups"

@@ -91,11 +91,17 @@ def fused_exclusions(excluded: tuple[str, ...]) -> tuple[str, ...]:
     """The fused module names (`model.layers.<i>.self_attn.qkv_proj`, `...mlp.gate_up_proj`)
     whose every part is in `excluded`.
 
-    SGLang matches `exclude_modules` against the fused layers it builds (regex fullmatch, no
-    fused-module mapping for Llama), as do vLLM releases before its fused-aware
-    `is_layer_skipped`: listing only `q_proj`, `k_proj`, `v_proj` makes them build an NVFP4
-    `qkv_proj` and fail on the BF16 weights. Exact names only: a wildcard such as
-    `model.layers.1*` would also match layers 10 to 19.
+    Several loaders match the exclusion list against the fused layers they build, by name:
+    SGLang's ModelOpt path (regex fullmatch, no fused-module mapping for Llama), vLLM releases
+    before its fused-aware `is_layer_skipped`, SGLang's compressed-tensors `should_ignore_layer`
+    when the config carries no `packed_modules_mapping`, and TensorRT-LLM (compressed-tensors
+    `ignore` becomes `exclude_modules`, fnmatch'ed against `qkv_proj` / `gate_up_proj`; releases
+    before its per-shard candidates only that name). Listing only `q_proj`, `k_proj`, `v_proj`
+    makes them build an NVFP4 `qkv_proj` and fail on (or misread) the BF16 weights. The fused
+    names are added only for groups whose every part is BF16, so vLLM's fused-aware rule, which
+    raises on "some but not all shards", still sees whole groups (and takes a listed fused name
+    as it is). Exact names only: a wildcard such as `model.layers.1*` would also match layers 10
+    to 19.
     """
     names, fused = set(excluded), []
     for module in excluded:
@@ -107,8 +113,9 @@ def fused_exclusions(excluded: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(fused)
 
 
-def modelopt_exclusions(plan: LayoutPlan) -> list[str]:
-    """ModelOpt's `exclude_modules`: the BF16 modules, then the fused names of fully BF16 groups."""
+def excluded_modules(plan: LayoutPlan) -> list[str]:
+    """ModelOpt's `exclude_modules` and compressed-tensors' `ignore`: the BF16 modules, then the
+    fused names of fully BF16 groups (`fused_exclusions`)."""
     return [*plan.excluded, *fused_exclusions(plan.excluded)]
 
 
@@ -153,7 +160,7 @@ def _ct_scheme(plan: LayoutPlan) -> dict:
         "format": f.ct_format,
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
-        "ignore": list(plan.excluded),
+        "ignore": excluded_modules(plan),
         "kv_cache_scheme": None,
     }
 
@@ -169,7 +176,7 @@ def hf_quant_config(plan: LayoutPlan) -> dict | None:
         return None
     f = FORMATS[plan.fmt]
     quantization = {"quant_algo": _modelopt_algo(f, plan), "kv_cache_quant_algo": None}
-    quantization |= {"group_size": f.block_size, "exclude_modules": modelopt_exclusions(plan)}
+    quantization |= {"group_size": f.block_size, "exclude_modules": excluded_modules(plan)}
     return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
@@ -185,9 +192,9 @@ def _modelopt_config(plan: LayoutPlan) -> dict:
         "quant_algo": _modelopt_algo(f, plan),
         "kv_cache_quant_algo": None,
         "group_size": f.block_size,
-        "exclude_modules": modelopt_exclusions(plan),
+        "exclude_modules": excluded_modules(plan),
         "config_groups": {"group_0": group},
-        "ignore": modelopt_exclusions(plan),
+        "ignore": excluded_modules(plan),
         "producer": dict(PRODUCER),
     }
 

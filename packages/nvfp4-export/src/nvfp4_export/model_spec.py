@@ -34,6 +34,19 @@ ARCHITECTURES = {
 }
 """Hugging Face `model_type` -> its causal-LM class (config.json `architectures`)."""
 ROPE_TYPES = ("default", "linear", "llama3")
+ARCHITECTURE_OPTIONS = {
+    "llama": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},
+              {"qkv_bias": True, "o_bias": True, "qk_norm": False}),
+    "mistral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
+    "qwen2": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
+    "qwen3": ({"qkv_bias": False, "o_bias": False, "qk_norm": True},
+              {"qkv_bias": True, "o_bias": True, "qk_norm": True}),
+}  # fmt: skip
+"""`model_type` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class can build: Llama's and
+Qwen 3's `attention_bias` switches the q/k/v and o_proj biases together, Qwen 2 always has q/k/v
+biases and no o_proj bias, Mistral has none; only Qwen 3 has q/k norms. The same table as
+training's `ModelConfig` check (nvfp4_train.model_config.ARCHITECTURE_OPTIONS), kept here
+because export never imports training; integration_tests/test_policy_agreement.py keeps them equal."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +202,38 @@ def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> L
         )
     except KeyError as err:
         raise ExportError(f"the checkpoint config's model section lacks {err}") from err
+    check_architecture(spec)
     check_params(spec, params)
     return spec
+
+
+def check_architecture(spec: LlamaSpec) -> None:
+    """Raises ExportError unless the Hugging Face class of `spec.architecture` builds exactly the
+    biases and q/k norms the checkpoint has (`ARCHITECTURE_OPTIONS`).
+
+    Training refuses such a model; a hand-edited config can still name one. Exported anyway, the
+    servers would build the class's own tensors: a checkpoint bias the class lacks is skipped
+    without a word (vLLM's `LlamaModel.load_weights` / `Qwen2Model.load_weights` skip a `.bias`
+    they have no parameter for) and the served model is not the trained one.
+
+    Example:
+        >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...                  head_dim=16, mlp_dim=32, architecture="mistral", qkv_bias=True)
+        >>> check_architecture(spec)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        nvfp4_export.errors.ExportError: model.architecture='mistral' (MistralForCausalLM) ...
+    """
+    options = {"qkv_bias": spec.qkv_bias, "o_bias": spec.o_bias, "qk_norm": spec.qk_norm}
+    allowed = ARCHITECTURE_OPTIONS[spec.architecture]
+    if options not in allowed:
+        raise ExportError(
+            f"model.architecture={spec.architecture!r} ({ARCHITECTURES[spec.architecture]}) "
+            f"builds {' or '.join(map(str, allowed))}, but the checkpoint config has {options}: "
+            "a server would load it as that class and silently drop (or never find) the other "
+            "tensors. Fix model.architecture or the bias/norm options in the run's config to "
+            "what the model was trained with"
+        )
 
 
 def _rope_scaling(section: Any) -> dict[str, Any] | None:

@@ -219,15 +219,21 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
 
+ARCHITECTURE_OPTIONS = {
+    "llama": tuple({"qkv_bias": b, "o_bias": b, "qk_norm": False} for b in (False, True)),
+    "mistral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
+    "qwen2": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
+    "qwen3": tuple({"qkv_bias": b, "o_bias": b, "qk_norm": True} for b in (False, True)),
+}
+"""`model.architecture` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class builds.
+nvfp4-export repeats this table (`nvfp4_export.model_spec.ARCHITECTURE_OPTIONS`) for hand-edited
+configs; integration_tests/test_policy_agreement.py keeps the two equal."""
+
+
 def _check_architecture(cfg: ModelConfig) -> None:
     """Raises ValueError unless `cfg.architecture` can express the bias and norm options."""
     options = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "qk_norm": cfg.qk_norm}
-    allowed = {  # what each Hugging Face model class builds
-        "llama": [{"qkv_bias": b, "o_bias": b, "qk_norm": False} for b in (False, True)],
-        "mistral": [{"qkv_bias": False, "o_bias": False, "qk_norm": False}],
-        "qwen2": [{"qkv_bias": True, "o_bias": False, "qk_norm": False}],
-        "qwen3": [{"qkv_bias": b, "o_bias": b, "qk_norm": True} for b in (False, True)],
-    }[cfg.architecture]
+    allowed = ARCHITECTURE_OPTIONS[cfg.architecture]
     if options not in allowed:
         raise ValueError(
             f"model.architecture={cfg.architecture!r} builds {' or '.join(map(str, allowed))}; "
