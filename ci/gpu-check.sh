@@ -3,11 +3,15 @@
 #   1. `nvfp4-ops doctor --verify`: every available backend against "emulated" on this GPU;
 #   2. the ops benchmark (one dot_general and a 2-layer MLP per recipe, per backend) and the
 #      train-step benchmark (the tiny Llama, BF16 vs NVFP4) for each available backend;
-#   3. a short NVFP4 training of examples/configs/tiny.yaml on each available backend.
+#   3. a short NVFP4 training of examples/configs/tiny.yaml on each available backend;
+#   4. with TE available on 2 or more GPUs: backend="te" on a sharded mesh against one device
+#      (packages/nvfp4-ops/conformance/sharded_te.py --installed);
+#   5. the GPU-only risks that remain untested elsewhere (docs/ops.md), each with what above shows it.
 # It installs the packages into a fresh virtualenv with JAX's CUDA wheels unless NO_INSTALL=1
-# (then the current Python must already have them). On a Hopper GPU (H100/H200) TE's NVFP4 GEMMs
-# cannot run (sm_100+ only): the check shows what `auto` picks there and how fast emulation and
-# the xla backend are on a GPU.
+# (then the current Python must already have them); WITH_TE=1 also builds TransformerEngine's JAX
+# extension as the README does (--no-build-isolation, against the jax installed here). On a
+# Hopper GPU (H100/H200) TE's NVFP4 GEMMs cannot run (sm_100+ only): the check shows what `auto`
+# picks there and how fast emulation and the xla backend are on a GPU.
 # QUICK=1 shrinks the benchmarks and the run (a smoke test of this script, e.g. on a CPU).
 #   bash ci/gpu-check.sh [OUT]
 set -euo pipefail
@@ -21,7 +25,12 @@ if [ "${NO_INSTALL:-0}" != 1 ]; then
   python -m pip install --quiet --upgrade pip
   python -m pip install --quiet "jax[cuda12]" ./packages/nvfp4-format ./packages/nvfp4-ops \
     ./packages/nvfp4-train "flax>=0.10" "hypothesis>=6.100" "pytest>=8"
-  if [ "${WITH_TE:-0}" = 1 ]; then python -m pip install --quiet "./packages/nvfp4-ops[te]"; fi
+  if [ "${WITH_TE:-0}" = 1 ]; then
+    # As the README: TE's JAX extension is compiled against the jax installed above, so its build
+    # must see that jax (no isolated build environment); its build requirements come first.
+    python -m pip install --quiet "setuptools>=61" "pybind11[global]"
+    python -m pip install --quiet --no-build-isolation "transformer_engine[jax]>=2.14"
+  fi
 fi
 export PYTHONUNBUFFERED=1
 ops_sizes=(--repeats 10)
@@ -44,6 +53,10 @@ for backend in $backends; do
   nvfp4-train run examples/configs/tiny.yaml "precision.backend=$backend" "train.steps=$steps" \
     "output_dir=$out/run-$backend" logging.progress=plain | tee "$out/run_$backend.txt" || status=1
 done
+if [[ " $backends " == *" te "* ]] && [ "$(python -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
+  (cd packages/nvfp4-ops/conformance && python sharded_te.py --installed) \
+    | tee "$out/sharded_te.txt" || status=1
+fi
 python - "$out" "$backends" <<'PY'
 import json, sys
 from pathlib import Path
@@ -63,4 +76,8 @@ summary = {
 (out / "gpu-check.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(f"wrote {out / 'gpu-check.json'}")
 PY
+echo
+echo "GPU-only risks untested on CPU (docs/ops.md), and what above shows each:"
+sed -n '/<!-- gpu-only-risks -->/,/<!-- \/gpu-only-risks -->/p' docs/ops.md | grep -v '^<!--' \
+  | tee "$out/gpu_only_risks.txt"
 exit $status

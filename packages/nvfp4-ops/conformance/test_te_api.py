@@ -20,7 +20,11 @@ def test_the_extraction_sees_what_te_backend_calls():
         "transformer_engine.jax.quantize.QuantizeMeta(stochastic_rounding_rng_state, use_rht)",
         "transformer_engine.jax.quantize.QuantizeMetaSet(grad, kernel, x)",
         "transformer_engine.jax.quantize.TensorUsage.LHS_TRANS",
-        "transformer_engine.jax.cpp_extensions.quantize(flatten_axis, quantizer)",
+        "transformer_engine.jax.cpp_extensions.quantize(amax_scope, flatten_axis, quantizer)",
+        "transformer_engine.jax.cpp_extensions.amax.AmaxScope.FSDP",
+        "transformer_engine.jax.cpp_extensions.amax.AmaxScope.TPSP",
+        "transformer_engine.jax.sharding.MeshResource(dp_resource, fsdp_resource)",
+        "transformer_engine.jax.sharding.global_shard_guard",
         "transformer_engine.jax.cpp_extensions.gemm(contracting_dims)",
         "transformer_engine.jax.sharding.get_num_devices_in_mesh",
         "transformer_engine.common.recipe.NVFP4BlockScaling(disable_2d_quantization, disable_rht,"
@@ -56,6 +60,7 @@ def test_neutral_recipe_fields_are_fields_of_the_newest_release(te_root, te_vers
         ("QuantizeMeta(use_rht=rht)", "QuantizeMeta(use_hadamard=rht)", "'use_hadamard'"),
         ("tex.gemm(", "tex.scaled_gemm(", "cpp_extensions.scaled_gemm does not exist"),
         ('"transformer_engine.jax.sharding"', '"transformer_engine.jax.shard"', "shard.get_num"),
+        ('amax_scope=_amax_scope("x")', 'scope=_amax_scope("x")', "take the keyword 'scope'"),
     ],
 )
 def test_a_wrong_name_or_keyword_fails_the_check(te_root, old, new, problem):

@@ -10,6 +10,11 @@ so the comparison with the emulated backend is to a bound, not bit for bit.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +23,7 @@ import te_standin
 
 import nvfp4_ops
 from nvfp4_ops.canonical import make_layout
-from nvfp4_ops.te_backend import te_dot
+from nvfp4_ops.te_backend import TE_TESTED_VERSIONS, te_dot
 
 MATMUL = (((1,), (0,)), ((), ()))
 
@@ -109,3 +114,74 @@ def test_rne_forward_matches_emulated_closely(te_dot_cpu):
     em_y = _emulated(x, w, dy, "nvfp4-no-sr", None)[0]
     same = np.isclose(np.asarray(te_y), np.asarray(em_y), rtol=1e-6, atol=1e-6)
     assert same.mean() > 0.9, same.mean()
+
+
+class _Recording:
+    """TE's cpp_extensions, recording the amax scope each quantize is called with, by shape."""
+
+    def __init__(self, tex) -> None:
+        self._tex, self.scopes = tex, {}
+
+    def __getattr__(self, name):
+        return getattr(self._tex, name)
+
+    def quantize(self, x, *args, amax_scope=None, **kwargs):
+        self.scopes[tuple(x.shape)] = getattr(amax_scope, "name", amax_scope)
+        return self._tex.quantize(x, *args, amax_scope=amax_scope, **kwargs)
+
+    def quantize_dbias(self, x, *args, amax_scope=None, **kwargs):
+        self.scopes[tuple(x.shape)] = getattr(amax_scope, "name", amax_scope)
+        return self._tex.quantize_dbias(x, *args, amax_scope=amax_scope, **kwargs)
+
+
+def test_te_dot_passes_the_amax_scopes_te_dense_passes(te_jax, monkeypatch):
+    # Aligned shapes, so both see the same [M, K] x, [K, N] kernel and [M, N] dY.
+    from nvfp4_ops import te_backend
+
+    dense = te_standin.importlib.import_module("transformer_engine.jax.dense")
+    x, w, dy = _data(128, 256, 384)
+    recipe, key = nvfp4_ops.get_recipe("nvfp4"), jax.random.key(1)
+    ours, theirs = _Recording(te_backend._tex()), _Recording(dense.tex)
+    monkeypatch.setattr(te_backend, "_tex", lambda: ours)
+    monkeypatch.setattr(dense, "tex", theirs)
+    quantizers = te_backend._quantizer_set(recipe, key)
+    layout = make_layout(x.shape, w.shape, MATMUL)
+
+    def gradients(f):  # traced only: the scopes are arguments, nothing needs to run
+        return jax.eval_shape(lambda a, b, g: jax.vjp(f, a, b)[1](g), x, w, dy)
+
+    with te_standin.pure_jax_te():
+        gradients(lambda a, b: dense.dense(a, b, quantizer_set=quantizers))
+        gradients(lambda a, b: te_dot(a, b, layout, recipe, key, np.dtype(jnp.bfloat16)))
+    roles = {(128, 256): "x", (256, 384): "kernel", (128, 384): "grad"}
+    dense_scopes = {roles[s]: v for s, v in theirs.scopes.items()}
+    assert dense_scopes == {"x": "TPSP", "kernel": "FSDP", "grad": "TPSP"}  # dense.py, read
+    assert ours.scopes == theirs.scopes
+    assert dense_scopes == te_backend.AMAX_SCOPES
+
+
+def test_the_te_probe_runs_through_te(te_jax, te_version):
+    # The newest release only (a compile of ~10 s; the floor's API is checked by test_te_api.py).
+    if te_version != TE_TESTED_VERSIONS[-1]:
+        pytest.skip("run for the newest release only (test_te_api.py checks the floor's API)")
+    from nvfp4_ops.probe import probe_backend
+
+    with te_standin.pure_jax_te():
+        probe_backend("te")  # raises if any step of the padded nvfp4 call fails
+
+
+def test_te_under_fsdp_and_tensor_sharding_equals_one_device(te_root, te_version):
+    # Its own process: 8 fake CPU devices must be set before jax initialises. One release
+    # only (the newest): the floor's API is checked by test_te_api.py, and the ~30 s compile
+    # of the sharded step is the most expensive test of this session.
+    if te_version != TE_TESTED_VERSIONS[-1]:
+        pytest.skip("run for the newest release only (test_te_api.py checks the floor's API)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    script = Path(__file__).with_name("sharded_te.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(Path(te_root).resolve()), te_version],
+        env=env, cwd=script.parent, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    assert "sharded te ok" in done.stdout

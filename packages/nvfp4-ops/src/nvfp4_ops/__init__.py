@@ -3,8 +3,9 @@
 Three quantized GEMMs per linear layer (Fprop, Dgrad, Wgrad) with 16x16 weight tiles, the random
 Hadamard transform on the Wgrad operands and stochastic rounding of gradients, behind a drop-in
 replacement for `jax.lax.dot_general`; plus `hadamard_transform`, `fake_quantize` and the backend
-capability report, per-call backend selection and the on-machine verification used by
-`nvfp4-ops doctor [--verify]`.
+capability report, per-call backend selection, the on-machine verification used by
+`nvfp4-ops doctor [--verify]` (and required before "auto" uses a native backend), and
+`te_sharding` for TransformerEngine calls on a sharded mesh.
 """
 
 import nvfp4_format
@@ -14,7 +15,9 @@ from nvfp4_ops.backends import (
     auto_backend,
     auto_order,
     backend_capabilities,
+    backend_capability,
     select_backend,
+    verification,
 )
 from nvfp4_ops.dot import dot_general
 from nvfp4_ops.fake_quant import fake_quantize
@@ -22,6 +25,7 @@ from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.qdot import RESIDUAL_NAME
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, compose, get_recipe
+from nvfp4_ops.te_backend import te_sharding
 from nvfp4_ops.telemetry import STATS, gemm_operand_stats, operand_stats
 from nvfp4_ops.verify import VerifyReport, verify_backend
 
@@ -43,6 +47,7 @@ __all__ = [
     "auto_backend",
     "auto_order",
     "backend_capabilities",
+    "backend_capability",
     "compose",
     "dequantize_fp8",
     "dot_general",
@@ -54,5 +59,7 @@ __all__ = [
     "operand_stats",
     "quantize_fp8",
     "select_backend",
+    "te_sharding",
+    "verification",
     "verify_backend",
 ]

@@ -8,11 +8,16 @@
   which XLA decomposes into dequantize + dot.
 - "te": TransformerEngine's JAX NVFP4 quantizers and cuBLAS GEMM (`nvfp4_ops.te_backend`).
 
-`backend_capabilities()` says what the host can run at all. A call (`Call`: its recipe, batch size
-and compute dtype) may still be beyond a backend: TE runs neither batched dot_generals nor
-non-BF16 operands nor recipes outside NVFP4BlockScaling. `select_backend` picks, per call, the
-first backend of a preference order that can run it; "auto" is `auto_order()` and falls back
-call by call, logging each distinct reason once.
+`backend_capability(name)` says whether the host can run a backend at all: for "xla" and "te" it
+compiles and runs what that backend really runs (`nvfp4_ops.probe`), and any failure there means
+"not available". A call (`Call`: its recipe, batch size, compute and output dtypes, the devices
+its operands may span) may still be beyond a backend: TE runs neither batched dot_generals nor
+non-BF16 operands nor outputs other than BF16/FP32 nor recipes outside NVFP4BlockScaling.
+`select_backend` picks, per call, the first backend of a preference order that can run it; "auto"
+is `auto_order()` and falls back call by call, logging each distinct reason once. "auto" gives a
+call to "xla" or "te" only once that backend passed `nvfp4_ops.verify_backend` in this process
+(`record_verification`), and never gives "te" a call whose operands may span several devices
+(`TE_SHARDED_CALLS_VERIFIED`); naming a backend, or an order of them, opts out of both.
 """
 
 from __future__ import annotations
@@ -43,11 +48,33 @@ class Call:
       recipe: the recipe.
       batch: the product of the batch dimensions (1 for none).
       compute_dtype: the promoted dtype of lhs and rhs.
+      out_dtype: the dtype the result is written in (`preferred_element_type`); None: the
+        compute dtype.
+      devices: how many devices the operands may be spread over (`operand_devices`).
     """
 
     recipe: Recipe
     batch: int = 1
     compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
+    out_dtype: np.dtype | None = None
+    devices: int = 1
+
+
+def operand_devices(*operands) -> int:
+    """How many devices `operands` may be spread over.
+
+    Concrete arrays: the devices of their shardings. Inside a trace (`jax.jit`) an operand's
+    placement is decided later by the partitioner, so any device of the job may hold a shard:
+    `jax.device_count()` (1 on a single-device host, where nothing can be sharded).
+    """
+    counts = [1]
+    for a in operands:
+        if isinstance(a, jax.core.Tracer):
+            return jax.device_count()
+        sharding = getattr(a, "sharding", None)
+        if sharding is not None:
+            counts.append(len(sharding.device_set))
+    return max(counts)
 
 
 def compute_capability(device) -> tuple[int, int] | None:
@@ -90,24 +117,27 @@ def _cuda() -> bool:
     return any(compute_capability(d) is not None for d in jax.local_devices())
 
 
-def _xla_available() -> tuple[bool, str]:
-    """Whether the xla backend's block-scaled dot compiles here, and what it lowers to."""
-    a = jnp.zeros((1, 128, 64), jnp.float4_e2m1fn)
-    s = jnp.ones((1, 128, 4), jnp.float8_e4m3fn)
+def _probe(backend: str) -> str | None:
+    """None if `backend` compiles and runs its real path here (`nvfp4_ops.probe`), else why not."""
+    from nvfp4_ops.probe import probe_backend  # probe imports dot, which imports this module
+
     try:
-        if _cuda():
-            f = jax.jit(jax.nn.scaled_matmul)
-            where = "jax.nn.scaled_matmul"
-        else:
-            dims = (((2,), (2,)), ((0,), (0,)))
-            f = jax.jit(lambda a, b, sa, sb: jax.lax.scaled_dot(  # noqa: E731
-                a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=dims,
-                preferred_element_type=jnp.float32,
-            ))  # fmt: skip
-            where = "jax.lax.scaled_dot"
-        f.lower(a, a, s, s).compile()
+        probe_backend(backend)
     except Exception as err:  # noqa: BLE001 - any failure means "not available here"
-        return False, f"the block-scaled dot does not compile on {jax.default_backend()}: {err}"
+        return f"{type(err).__name__}: {err}".strip()
+    return None
+
+
+def _xla_available() -> tuple[bool, str]:
+    """Whether the xla backend's real path (`nvfp4_ops.probe`) compiles and runs here, and what
+    its block-scaled dot lowers to."""
+    where = "jax.nn.scaled_matmul" if _cuda() else "jax.lax.scaled_dot"
+    error = _probe("xla")
+    if error is not None:
+        return False, (
+            f"the xla backend's forward and gradients (via {where}) fail on "
+            f"{jax.default_backend()}: {error}"
+        )
     if blackwell_devices():
         lowering = (
             "XLA may send it to a cuDNN FP4 GEMM (sm_100+, cuDNN >= 9.7; read from XLA's "
@@ -115,7 +145,7 @@ def _xla_available() -> tuple[bool, str]:
         )
     else:
         lowering = "dequantize + dot (no FP4 tensor cores here)"
-    return True, f"{where} compiles on {jax.default_backend()}: {lowering}"
+    return True, f"{where} compiles and runs on {jax.default_backend()}: {lowering}"
 
 
 def _te_available() -> tuple[bool, str]:
@@ -136,10 +166,36 @@ def _te_available() -> tuple[bool, str]:
             f"kernels need data-center Blackwell), found {others}"
         )
     ok, why = te_host_support(os.environ)
-    return ok, why if not ok else f"{why}; GPUs {gpus}"
+    if not ok:
+        return False, why
+    error = _probe("te")
+    if error is not None:
+        return False, f"{why}, but TE's forward and gradients fail here: {error}"
+    return True, f"{why}; GPUs {gpus}"
+
+
+_AVAILABILITY = {
+    "emulated": lambda: (True, "pure JAX; runs on every device"),
+    "xla": _xla_available,
+    "te": _te_available,
+}
 
 
 @functools.cache
+def backend_capability(backend: str) -> tuple[bool, str]:
+    """(available, reason) of one backend on this host, computed once per process.
+
+    Only the backends a caller asks about are probed: "auto" on a CPU asks about "te" and
+    "emulated" only, so the compile of the xla probe is never paid there.
+
+    Raises:
+      ValueError: an unknown backend name.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return _AVAILABILITY[backend]()
+
+
 def backend_capabilities() -> dict[str, tuple[bool, str]]:
     """{backend name: (available, reason)} for "emulated", "xla" and "te" on this host.
 
@@ -147,11 +203,55 @@ def backend_capabilities() -> dict[str, tuple[bool, str]]:
       >>> backend_capabilities()["emulated"][0]
       True
     """
-    return {
-        "emulated": (True, "pure JAX; runs on every device"),
-        "xla": _xla_available(),
-        "te": _te_available(),
-    }
+    return {name: backend_capability(name) for name in BACKENDS}
+
+
+_VERIFIED: dict[str, tuple[bool, str]] = {}
+"""The process's record of `verify_backend` outcomes, {backend: (passed, summary)}: the one piece
+of state "auto" reads besides the cached capabilities (see `record_verification`)."""
+
+
+def record_verification(backend: str, passed: bool, summary: str) -> None:
+    """Note that `backend` passed (or failed) `nvfp4_ops.verify_backend` in this process.
+
+    `verify_backend` calls this; from then on "auto" gives `backend` the calls it can run
+    (passed) or keeps saying why not (failed).
+    """
+    _VERIFIED[backend] = (bool(passed), summary)
+
+
+def verification(backend: str) -> tuple[bool, str] | None:
+    """(passed, summary) of `backend`'s latest verification in this process, None if none."""
+    return _VERIFIED.get(backend)
+
+
+TE_SHARDED_CALLS_VERIFIED = False
+"""Whether "auto" (and a fallback order) may give "te" a call whose operands may span several
+devices. TE's quantize and GEMM are custom-partitioned: each shard computes its own amax unless
+the call passes an amax scope and a `MeshResource` is set (`te_backend.te_sharding`), and only
+TE's CUDA kernels take that path. The CPU check (conformance: 8 fake devices, TE's pure-JAX
+fallbacks, equal to the 1-device result) cannot reach it, so this stays False until a
+multi-GPU Blackwell run agrees (docs/ops.md, GPU-only risks); `backend="te"` still runs them."""
+
+
+def _not_for_auto(backend: str, call: Call, order_is_auto: bool) -> str | None:
+    """Why a fallback order passes over `backend` for `call` though it could run it, or None."""
+    if backend == "te" and call.devices > 1 and not TE_SHARDED_CALLS_VERIFIED:
+        return (
+            f"the operands may span {call.devices} devices and TE under sharding (amax scopes, "
+            "MeshResource) is untested on hardware; pass backend='te' to use it anyway"
+        )
+    if not order_is_auto or backend == "emulated":
+        return None
+    record = verification(backend)
+    if record is None:
+        return (
+            f"not verified in this process: nvfp4_ops.verify_backend({backend!r}) checks it "
+            f"against 'emulated' (then 'auto' uses it), or pass backend={backend!r} to use it "
+            "unverified"
+        )
+    passed, summary = record
+    return None if passed else f"failed verification in this process: {summary}"
 
 
 def auto_order() -> tuple[str, ...]:
@@ -171,13 +271,13 @@ def unsupported(backend: str, call: Call) -> str | None:
     """Why `backend` cannot run `call` here, or None if it can."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
-    ok, why = backend_capabilities()[backend]
+    ok, why = backend_capability(backend)
     if not ok:
         return f"not available here: {why}"
     if backend == "te":
         from nvfp4_ops.te_backend import te_unsupported
 
-        return te_unsupported(call.recipe, call.batch, call.compute_dtype)
+        return te_unsupported(call.recipe, call.batch, call.compute_dtype, call.out_dtype)
     return None
 
 
@@ -193,6 +293,10 @@ def _note(pick: str, skipped: tuple[tuple[str, str], ...]) -> None:
 def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
     """The backend that runs `call`: a name (which must be able to), "auto", or an order.
 
+    A name runs the call if it can at all. An order (and "auto") skips what cannot run it and
+    "te" for calls that may span several devices (`TE_SHARDED_CALLS_VERIFIED`); "auto" also
+    skips "xla" and "te" until they passed `verify_backend` in this process.
+
     Raises:
       ValueError: an unknown name, or a named backend that cannot run the call (why is said).
     """
@@ -206,7 +310,7 @@ def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
         raise ValueError("backend must name at least one backend, got ()")
     skipped = []
     for name in order:
-        reason = unsupported(name, call)
+        reason = unsupported(name, call) or _not_for_auto(name, call, backend == "auto")
         if reason is None:
             if skipped:
                 _note(name, tuple(skipped))
@@ -215,17 +319,17 @@ def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
     raise ValueError(f"no backend of {order} can run this call: {dict(skipped)}")
 
 
-@functools.cache
 def auto_backend() -> tuple[str, str]:
-    """(backend, why) that "auto" uses for a plain BF16 call of the "nvfp4" recipe here."""
+    """(backend, why) that "auto" uses for a plain BF16 call of the "nvfp4" recipe on one device
+    here, given the verifications recorded so far in this process."""
     from nvfp4_ops.recipe import get_recipe
 
     call = Call(get_recipe("nvfp4"))
     reasons = []
     for name in auto_order():
-        reason = unsupported(name, call)
+        reason = unsupported(name, call) or _not_for_auto(name, call, True)
         if reason is None:
-            why = backend_capabilities()[name][1]
+            why = backend_capability(name)[1]
             return name, "; ".join([*reasons, f"{name}: {why}"])
-        reasons.append(f"{name} unavailable ({reason})")
+        reasons.append(f"{name} not used ({reason})")
     raise AssertionError("the emulated backend runs every call")

@@ -48,7 +48,7 @@ def _report_host() -> None:
 
 
 def _verify(json_path: str | None) -> int:
-    from nvfp4_ops.backends import backend_capabilities
+    from nvfp4_ops.backends import auto_backend, backend_capabilities
     from nvfp4_ops.verify import verify_backend
 
     names = [n for n, (ok, _) in backend_capabilities().items() if ok and n != "emulated"]
@@ -58,9 +58,15 @@ def _verify(json_path: str | None) -> int:
     for name in names:
         report = verify_backend(name)
         reports.append(report)
-        verdict = "agrees with" if report.ok else "DISAGREES with"
-        print(f"\nverify {name} against emulated: {verdict} emulated")
+        if report.error is not None:
+            verdict = "CRASHED (not used)"
+        else:
+            verdict = "agrees with emulated" if report.ok else "DISAGREES with emulated"
+        print(f"\nverify {name} against emulated: {verdict}")
         print(report.table())
+    if names:
+        pick, why = auto_backend()
+        print(f"\nauto -> {pick} after verification: {why}")
     if json_path:
         Path(json_path).write_text(json.dumps([r.as_dict() for r in reports], indent=2) + "\n")
         print(f"\nwrote {json_path}")

@@ -15,15 +15,20 @@ The linear runs as TE's own `dense` does (transformer_engine/jax/dense.py: quant
 kernel with the recipe's quantizers, GEMM NN; in the backward quantize dY, GEMM NT for dX and TN for
 dW), written out here as a `jax.custom_vjp` so that the operands can be padded to TE's alignment
 and each GEMM writes the dtype that `dot_general` promises (TE's dense writes its input dtype).
+Each quantize passes the amax scope `dense` passes (`AMAX_SCOPES`: x and dY over the tensor-
+sequence axis, the kernel over the FSDP axis), so that a sharded weight is encoded with the amax
+of the whole weight; under a mesh, TE reads the axes from its `MeshResource`, which
+`te_sharding(mesh, ...)` sets for the duration of a jitted call (its compile included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +75,16 @@ recipe, so that no environment default can change them."""
 
 BLOCK = 16
 
+TE_OUTPUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+"""What TE's NVFP4 GEMM is asked to write here: BF16 (TE's layers) and FP32, the outputs TE's own
+NVFP4 layers and GEMM tests use. TE's JAX GEMM accepts any output dtype when traced, but an FP16
+output of the FP4 GEMM is reported to fail in cuBLASLt when run (issue 27; untested on hardware),
+so a call asking for FP16 (or anything else) goes to another backend."""
+
+AMAX_SCOPES = {"x": "TPSP", "kernel": "FSDP", "grad": "TPSP"}
+"""The `AmaxScope` member each operand's quantize passes, as TE's `dense` passes them (2.14 to
+2.20.2: transformer_engine/jax/dense.py); the conformance session checks it against `dense`."""
+
 
 def environment_conflicts(environ: Mapping[str, str]) -> list[str]:
     """The `RECIPE_ENVIRONMENT` variables set in `environ`, as "NAME=value" strings."""
@@ -110,13 +125,19 @@ def te_host_support(environ: Mapping[str, str]) -> tuple[bool, str]:
     return True, f"TransformerEngine {version} runs NVFP4 here"
 
 
-def te_unsupported(recipe: Recipe, batch: int = 1, dtype: np.dtype | None = None) -> str | None:
+def te_unsupported(
+    recipe: Recipe,
+    batch: int = 1,
+    dtype: np.dtype | None = None,
+    out_dtype: np.dtype | None = None,
+) -> str | None:
     """Why TE's NVFP4 recipe cannot run this call exactly as `recipe` says, or None if it can.
 
     Args:
       recipe: the recipe.
       batch: the product of the dot_general's batch dimensions (TE's dense has none).
       dtype: the compute dtype (the promoted dtype of the operands); TE's RHT kernels take BF16.
+      out_dtype: the dtype the result is written in (`TE_OUTPUT_DTYPES`); None: `dtype`.
     """
     roles = {"fprop_input": recipe.fprop_input, "fprop_weight": recipe.fprop_weight}
     roles["grad"] = recipe.grad
@@ -153,6 +174,11 @@ def te_unsupported(recipe: Recipe, batch: int = 1, dtype: np.dtype | None = None
         return f"TE's dense has no batch dimensions, this dot_general has a batch of {batch}"
     if dtype is not None and np.dtype(dtype) != np.dtype(jnp.bfloat16):
         return f"TE's NVFP4 kernels take BF16 operands, these compute in {np.dtype(dtype)}"
+    if out_dtype is not None and np.dtype(out_dtype) not in TE_OUTPUT_DTYPES:
+        return (
+            f"TE's NVFP4 GEMM writes {' or '.join(map(str, TE_OUTPUT_DTYPES))}, this call "
+            f"asks for {np.dtype(out_dtype)} (preferred_element_type)"
+        )
     return None
 
 
@@ -204,6 +230,54 @@ def _te_quantize():
     return importlib.import_module("transformer_engine.jax.quantize")
 
 
+def _te_sharding():
+    """transformer_engine.jax.sharding (MeshResource, global_shard_guard, the mesh's size)."""
+    return importlib.import_module("transformer_engine.jax.sharding")
+
+
+def _amax_scope(operand: str):
+    """TE's `AmaxScope` member for `operand` ("x", "kernel" or "grad"), see `AMAX_SCOPES`."""
+    scopes = importlib.import_module("transformer_engine.jax.cpp_extensions.amax").AmaxScope
+    return {"TPSP": scopes.TPSP, "FSDP": scopes.FSDP}[AMAX_SCOPES[operand]]
+
+
+@contextlib.contextmanager
+def te_sharding(
+    mesh: jax.sharding.Mesh, *, data: str | None = None, fsdp: str | None = None
+) -> Iterator[None]:
+    """TE's view of `mesh` while a jitted call is traced AND compiled inside this block.
+
+    TE's custom-partitioned quantize and GEMM read the data-parallel and FSDP axes from a
+    global `MeshResource` (`global_shard_guard`) when XLA partitions them, at compile time: the
+    FSDP amax scope of a weight reduces over `fsdp`, and the GEMM gathers a weight along it. TE
+    also reads the mesh itself (`jax.set_mesh`) for the size of the stochastic-rounding state.
+    Without them a sharded TE call fails to compile. A tensor-parallel axis needs no entry: TE's
+    GEMM reduces over whatever axis shards both contractions, and naming it (`tp_resource`)
+    would make TE look the mesh up again on XLA's partitioner thread, where the mesh context of
+    this thread is not set (jax 0.10.2: "tensor is not a axis of the given mesh"; found by the
+    conformance session).
+
+    Args:
+      mesh: the mesh the call's operands are sharded over.
+      data, fsdp: the names of its data-parallel and FSDP axes (None for one it does not have).
+
+    Raises:
+      ValueError: an axis name that is not one of the mesh's axes.
+
+    Example:
+      >>> with te_sharding(mesh, data="data", fsdp="fsdp"):  # doctest: +SKIP
+      ...     grads = train_step(state, batch)
+    """
+    named = {"data": data, "fsdp": fsdp}
+    unknown = {k: v for k, v in named.items() if v is not None and v not in mesh.axis_names}
+    if unknown:
+        raise ValueError(f"te_sharding: {unknown} are not axes of the mesh {mesh.axis_names}")
+    sharding = _te_sharding()
+    resource = sharding.MeshResource(dp_resource=data, fsdp_resource=fsdp)
+    with jax.set_mesh(mesh), sharding.global_shard_guard(resource):
+        yield
+
+
 def _quantizer_set(recipe: Recipe, key: jax.Array | None):
     """TE's quantizers for the recipe, with `QuantizeMeta` set as TE's own Flax layers set it.
 
@@ -213,8 +287,7 @@ def _quantizer_set(recipe: Recipe, key: jax.Array | None):
     te_quantize = _te_quantize()
     rht = recipe.wgrad_hadamard
     if recipe.grad.rounding == "stochastic":
-        sharding = importlib.import_module("transformer_engine.jax.sharding")
-        devices = int(sharding.get_num_devices_in_mesh())
+        devices = int(_te_sharding().get_num_devices_in_mesh())
         state = jax.random.bits(split_keys(key)["dgrad_dy"], (devices, 4), jnp.uint32)
         grad = te_quantize.QuantizeMeta(use_rht=rht, stochastic_rounding_rng_state=state)
     else:
@@ -237,8 +310,12 @@ def _writing(tensor, dtype: np.dtype):
 def _te_fwd(x_mk, w_kn, key, call: _TeCall):
     tex, usage = _tex(), _te_quantize().TensorUsage
     quantizers = _quantizer_set(call.recipe, key)
-    casted_x = tex.quantize(x_mk, flatten_axis=-1, quantizer=quantizers.x)
-    casted_w = tex.quantize(w_kn, flatten_axis=-1, quantizer=quantizers.kernel)
+    casted_x = tex.quantize(
+        x_mk, flatten_axis=-1, quantizer=quantizers.x, amax_scope=_amax_scope("x")
+    )
+    casted_w = tex.quantize(
+        w_kn, flatten_axis=-1, quantizer=quantizers.kernel, amax_scope=_amax_scope("kernel")
+    )
     y = tex.gemm(
         _writing(casted_x.get_tensor(usage=usage.LHS), call.out_dtype),
         casted_w.get_tensor(usage=usage.RHS),
@@ -253,7 +330,10 @@ def _te_bwd(call: _TeCall, residuals, dy_mn):
     x_t, w_t, key = residuals
     quantizers = _quantizer_set(call.recipe, key)
     casted_dy = tex.quantize(
-        dy_mn.astype(jnp.bfloat16), flatten_axis=-1, quantizer=quantizers.dgrad
+        dy_mn.astype(jnp.bfloat16),
+        flatten_axis=-1,
+        quantizer=quantizers.dgrad,
+        amax_scope=_amax_scope("grad"),
     )
     dx = tex.gemm(
         _writing(casted_dy.get_tensor(usage=usage.LHS), call.lhs_dtype),
@@ -296,7 +376,7 @@ def te_dot(
     """
     b, m, _, n = layout.bmkn
     dtype = np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
-    reason = te_unsupported(recipe, b, dtype)
+    reason = te_unsupported(recipe, b, dtype, out_dtype)
     if reason is not None:
         raise ValueError(f"backend='te' cannot run this dot_general: {reason}")
     call = _TeCall(recipe, np.dtype(out_dtype), np.dtype(lhs.dtype), np.dtype(rhs.dtype))

@@ -24,7 +24,7 @@ from typing import Any, TextIO
 import jax
 
 from nvfp4_ops import get_recipe
-from nvfp4_train.backend_check import backend_line, trusted_backend
+from nvfp4_train.backend_check import backend_line, te_context, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, config_from_dict, read_config_file, upgraded
 from nvfp4_train.config_loader import to_yaml
@@ -98,15 +98,17 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
 
 
 def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
-    """`cfg` with the backends that disagree with "emulated" here left out (`backend_check`)."""
+    """`cfg` with the backends that disagree with "emulated" here, or crash while checked, left
+    out (`backend_check`); the `ops backend:` line (after the check) names them and why."""
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
     names = {n for phase in phases for gemms in phase.names.values() for n in gemms}
+    choice = trusted_backend(cfg.precision, names, say)
     if any(get_recipe(n).quantized for n in names):
-        say(backend_line(cfg.precision.backend))
-    backend = trusted_backend(cfg.precision, names, say)
-    if backend == cfg.precision.backend:
+        say(backend_line(cfg.precision.backend, choice.dropped))
+    if choice.backend == cfg.precision.backend:
         return cfg
-    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, backend=backend))
+    precision = dataclasses.replace(cfg.precision, backend=choice.backend)
+    return dataclasses.replace(cfg, precision=precision)
 
 
 def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
@@ -142,7 +144,8 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
     written = cfg  # config.yaml keeps precision.backend as configured
     say(f"run directory: {run_dir.resolve()}")
     cfg = _with_trusted_backend(cfg, say)
-    with _checkpoints(cfg, run_dir) as ckpts:
+    te_mesh = te_context(cfg.precision.backend, mesh, data="data", fsdp="fsdp")
+    with te_mesh, _checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
             cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say, mesh
         )
