@@ -28,6 +28,7 @@ import importlib
 import logging
 import os
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,14 +85,19 @@ def compute_capability(device) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
-def blackwell_devices() -> list[str]:
-    """Descriptions of local CUDA GPUs with compute capability >= 10.0 (sm_100+)."""
+def _cuda_gpus(accept: Callable[[tuple[int, int]], bool]) -> list[str]:
+    """Descriptions ("kind (sm_XY)") of the local CUDA GPUs whose compute capability `accept`s."""
     out = []
     for d in jax.local_devices():
         cc = compute_capability(d)
-        if d.platform == "gpu" and cc is not None and cc >= (10, 0):
+        if d.platform == "gpu" and cc is not None and accept(cc):
             out.append(f"{d.device_kind} (sm_{cc[0]}{cc[1]})")
     return out
+
+
+def blackwell_devices() -> list[str]:
+    """Descriptions of local CUDA GPUs with compute capability >= 10.0 (sm_100+)."""
+    return _cuda_gpus(lambda cc: cc >= (10, 0))
 
 
 TE_TRAINING_ARCHS = ((10, 0), (10, 3))
@@ -105,12 +111,7 @@ path), and the stochastic-rounding cast needs the sm_100 family's `cvt.rs` instr
 
 def te_unsupported_gpus() -> list[str]:
     """Local CUDA GPUs outside `TE_TRAINING_ARCHS` (described as in `blackwell_devices`)."""
-    out = []
-    for d in jax.local_devices():
-        cc = compute_capability(d)
-        if d.platform == "gpu" and cc is not None and cc not in TE_TRAINING_ARCHS:
-            out.append(f"{d.device_kind} (sm_{cc[0]}{cc[1]})")
-    return out
+    return _cuda_gpus(lambda cc: cc not in TE_TRAINING_ARCHS)
 
 
 def _cuda() -> bool:
