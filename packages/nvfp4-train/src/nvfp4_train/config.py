@@ -180,6 +180,12 @@ MOVED_KEYS = {
 new key (`config_from_dict`); a run directory's saved config is moved (`upgraded`)."""
 
 
+ADDED_KEYS = {"model.attention": "naive"}
+"""Keys earlier versions did not have -> the value that computes as they did. A saved config
+without one gets it (`upgraded`): an old run resumes and evaluates as it trained (a new config
+without the key takes the field's default)."""
+
+
 def _parent(mapping: Any, dotted: str, *, create: bool = False) -> tuple[Any, str]:
     """(the mapping holding the last part of `dotted`, or None; that part)."""
     *parents, leaf = dotted.split(".")
@@ -217,6 +223,10 @@ def upgraded(mapping: Mapping[str, Any]) -> dict[str, Any]:
         target, new_leaf = _parent(result, new, create=True)
         if target is not None:
             target.setdefault(new_leaf, value)
+    for added, value in ADDED_KEYS.items():
+        node, leaf = _parent(result, added)
+        if node is not None:
+            node.setdefault(leaf, value)
     return result
 
 

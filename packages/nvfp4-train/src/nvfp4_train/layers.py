@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
+from nvfp4_train.attention import attention, naive_attention
 
 INPUT_AMAX = "input_amax"
 """Name of the `nnx.Intermediate` each `QuantLinear` call sows: max |input| of that call."""
@@ -154,18 +155,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> jax.Array:
 def rope_cos_sin(
     positions_L: jax.Array, head_dim: int, theta: float, scaling=None
 ) -> tuple[jax.Array, jax.Array]:
-    """Rotary tables in the HF layout: float32 [L, head_dim], frequencies repeated over both halves."""
+    """Rotary tables in the HF layout: float32 [..., L, head_dim] for positions [..., L] ([L], or
+    [B, L] per-document positions), frequencies repeated over both halves."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
-    freqs_LxHalf = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    freqs_LxHalf = positions_L.astype(jnp.float32)[..., None] * inv_freq
     emb_LxD = jnp.concatenate([freqs_LxHalf, freqs_LxHalf], axis=-1)
     return jnp.cos(emb_LxD), jnp.sin(emb_LxD)
 
 
 def apply_rope(x_BxLxHxD: jax.Array, cos_LxD: jax.Array, sin_LxD: jax.Array) -> jax.Array:
-    """Applies rotary embeddings (HF convention) in float32; returns x's dtype."""
+    """Applies rotary embeddings (HF convention) in float32; returns x's dtype. The tables are
+    [L, D] (shared by every row) or [B, L, D] (per-row positions)."""
     x32 = x_BxLxHxD.astype(jnp.float32)
-    cos, sin = cos_LxD[None, :, None, :], sin_LxD[None, :, None, :]
+    if cos_LxD.ndim == 2:
+        cos, sin = cos_LxD[None, :, None, :], sin_LxD[None, :, None, :]
+    else:
+        cos, sin = cos_LxD[:, :, None, :], sin_LxD[:, :, None, :]
     return (x32 * cos + rotate_half(x32) * sin).astype(x_BxLxHxD.dtype)
+
+
+Documents = tuple[jax.Array, jax.Array]
+"""(segment ids, positions within the document), both int [B, L]."""
 
 
 class Attention(nnx.Module):
@@ -175,7 +185,8 @@ class Attention(nnx.Module):
     then all k heads, then all v heads, each head's `head_dim` columns contiguous (`qkv.bias`
     likewise). With `qk_norm`, q and k are RMS-normalised per head (`q_norm`, `k_norm`, Qwen 3)
     before RoPE. QK^T, softmax and SV are not quantized (inputs in the compute dtype, float32
-    accumulation and softmax).
+    accumulation and softmax); `cfg.attention` picks how they are computed
+    (`nvfp4_train.attention`).
     """
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
@@ -197,8 +208,16 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.implementation, self.block = cfg.attention, cfg.attention_block
 
-    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
+    def __call__(
+        self,
+        x_BxLxD: jax.Array,
+        keys: tuple[jax.Array | None, jax.Array | None],
+        documents: Documents | None = None,
+    ):
+        """`documents`: (segment ids, positions) [B, L] int: attention stays within a document
+        and RoPE restarts at each one; None: each row is one document."""
         b, l, _ = x_BxLxD.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x_BxLxD, keys[0])
@@ -208,31 +227,20 @@ class Attention(nnx.Module):
         v_BxLxGxK = v.reshape(b, l, nkv, hd)
         if self.qk_norm:
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
-        cos, sin = rope_cos_sin(jnp.arange(l), hd, self.rope_theta, self.rope_scaling)
+        segment_ids_BxL, positions = (None, jnp.arange(l)) if documents is None else documents
+        cos, sin = rope_cos_sin(positions, hd, self.rope_theta, self.rope_scaling)
         q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
         k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
-        out_BxLxHxK = causal_gqa(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        out_BxLxHxK = attention(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
+            implementation=self.implementation, block=self.block,
+        )  # fmt: skip
         return self.o(out_BxLxHxK.reshape(b, l, nh * hd), keys[1])
 
 
 def causal_gqa(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
-    """Causal softmax attention; each of the G kv heads serves H/G consecutive query heads.
-
-    Scores and softmax in float32; the probabilities are cast back to the input dtype for SV.
-    """
-    b, l, h, d = q_BxLxHxK.shape
-    g = k_BxLxGxK.shape[2]
-    q_BxLxGxRxK = q_BxLxHxK.reshape(b, l, g, h // g, d)
-    scores_BxGxRxLxS = jnp.einsum(
-        "blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxLxGxK, preferred_element_type=jnp.float32
-    ) / jnp.sqrt(jnp.float32(d))
-    causal_LxS = jnp.tril(jnp.ones((l, l), dtype=bool))
-    scores_BxGxRxLxS = jnp.where(causal_LxS, scores_BxGxRxLxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores_BxGxRxLxS, axis=-1).astype(v_BxLxGxK.dtype)
-    out_BxLxGxRxK = jnp.einsum(
-        "bgrls,bsgk->blgrk", probs, v_BxLxGxK, preferred_element_type=jnp.float32
-    )
-    return out_BxLxGxRxK.reshape(b, l, h, d).astype(q_BxLxHxK.dtype)
+    """Causal softmax attention, materialised: `nvfp4_train.attention.naive_attention`."""
+    return naive_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
 class MLP(nnx.Module):
@@ -272,6 +280,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, recipes, f"layers.{index}.mlp", rngs=rngs, backend=backend)
 
-    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, ...]) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2])
+    def __call__(
+        self,
+        x_BxLxD: jax.Array,
+        keys: tuple[jax.Array | None, ...],
+        documents: Documents | None = None,
+    ) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2], documents)
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), keys[2:4])

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.layers import INPUT_AMAX, Block, RMSNorm, sow_input_amax
+from nvfp4_train.attention import document_positions
+from nvfp4_train.layers import INPUT_AMAX, Block, Documents, RMSNorm, sow_input_amax
 from nvfp4_train.model_config import (
     LINEAR_NAMES,
     REMAT_POLICIES,
@@ -81,12 +82,12 @@ def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
 
 
 def _block_fn(graphdef: nnx.GraphDef, policy: Any):
-    """`f(params, rest, x, keys) -> (y, sown input amax)`: one block as a pure function, under
-    `jax.checkpoint(policy=policy)` when a policy is given."""
+    """`f(params, rest, x, keys, documents) -> (y, sown input amax)`: one block as a pure
+    function, under `jax.checkpoint(policy=policy)` when a policy is given."""
 
-    def apply(params, rest, x_BxLxD, keys):
+    def apply(params, rest, x_BxLxD, keys, documents):
         block = nnx.merge(graphdef, params, rest)
-        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys)
+        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys, documents)
         return y, nnx.to_pure_dict(sown)
 
     return apply if policy is None else jax.checkpoint(apply, policy=policy)
@@ -158,7 +159,14 @@ class Llama(nnx.Module):
                 preferred_element_type=jnp.float32, rngs=rngs,
             )  # fmt: skip
 
-    def __call__(self, inputs_BxL: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        inputs_BxL: jax.Array,
+        *,
+        key: jax.Array | None = None,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
         """Returns float32 logits [B, L, vocab].
 
         Args:
@@ -166,25 +174,30 @@ class Llama(nnx.Module):
             key: The step's stochastic-rounding key; linear j of layer i gets
                 `fold_in(fold_in(key, i), j)` (j in `LINEAR_NAMES` order). None passes no key
                 (fine for recipes without stochastic rounding, and for the forward-only BF16 path).
+            segment_ids_BxL: int document ids of packed rows: a token attends only to earlier
+                tokens of its own document. None: each row is one document.
+            positions_BxL: int RoPE positions (restarting at 0 in each document); None with
+                segment ids: derived from them (`attention.document_positions`).
         """
         if inputs_BxL.ndim != 2 or inputs_BxL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
                 f"inputs must be [batch, length] with length <= model.max_seq_len="
                 f"{self.cfg.max_seq_len}, got shape {inputs_BxL.shape}"
             )
+        documents = _documents(inputs_BxL, segment_ids_BxL, positions_BxL)
         x_BxLxD = self.embed(inputs_BxL)
         policy = REMAT_POLICIES[self.cfg.remat]
         for name, start, stop in self.layout.entries:
             block = self.layers[name]
             if stop - start == 1 and policy is None:
-                x_BxLxD = block(x_BxLxD, _layer_keys(key, start))
+                x_BxLxD = block(x_BxLxD, _layer_keys(key, start), documents)
                 continue
             graphdef, params, rest = nnx.split(block, nnx.Param, ...)
             apply = _block_fn(graphdef, policy)
             if stop - start == 1:
-                x_BxLxD, sown = apply(params, rest, x_BxLxD, _layer_keys(key, start))
+                x_BxLxD, sown = apply(params, rest, x_BxLxD, _layer_keys(key, start), documents)
             else:
-                x_BxLxD, sown = _scan(apply, params, rest, x_BxLxD, key, start, stop)
+                x_BxLxD, sown = _scan(apply, params, rest, x_BxLxD, key, start, stop, documents)
             _resow(block, sown)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
@@ -223,7 +236,25 @@ def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array 
     return keys
 
 
-def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int):
+def _documents(
+    inputs_BxL: jax.Array, segment_ids_BxL: jax.Array | None, positions_BxL: jax.Array | None
+) -> Documents | None:
+    """(segment ids, positions) for the blocks, or None (one document per row)."""
+    if segment_ids_BxL is None:
+        if positions_BxL is not None:
+            raise ValueError("positions_BxL needs segment_ids_BxL (the documents they count in)")
+        return None
+    if segment_ids_BxL.shape != inputs_BxL.shape:
+        raise ValueError(
+            f"segment_ids_BxL must have the inputs' shape {inputs_BxL.shape}, got "
+            f"{segment_ids_BxL.shape}"
+        )
+    if positions_BxL is None:
+        positions_BxL = document_positions(segment_ids_BxL)
+    return segment_ids_BxL, positions_BxL
+
+
+def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int, documents=None):
     """Runs the stacked blocks `start` .. `stop - 1` over `x` with `jax.lax.scan`; each gets the
     keys it would get unstacked. Returns (x, sown input amax with a leading layer axis)."""
     if key is None:
@@ -234,7 +265,7 @@ def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int):
     def body(x, xs):
         layer_params, layer_keys = xs
         layer_keys = (None,) * len(LINEAR_NAMES) if layer_keys is None else tuple(layer_keys)
-        return apply(layer_params, rest, x, layer_keys)
+        return apply(layer_params, rest, x, layer_keys, documents)
 
     return jax.lax.scan(body, x_BxLxD, (params, keys))
 

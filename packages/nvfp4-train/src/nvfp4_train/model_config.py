@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_ops
+from nvfp4_train.attention import ATTENTION_IMPLEMENTATIONS
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -125,6 +126,12 @@ class ModelConfig:
         remat: Rematerialisation of each block in the backward pass: "none", "full",
             "quantized", "dots" or "dots_no_batch" (`REMAT_POLICIES`). It changes memory and
             time, never the numbers.
+        attention: how causal attention is computed ("auto", "naive", "xla", "cudnn",
+            "chunked"; `nvfp4_train.attention`). "auto": cudnn on an NVIDIA GPU (bfloat16 /
+            float16), else "chunked" from `attention.AUTO_CHUNKED_FROM` tokens, else "naive".
+            The implementations agree to float32 rounding; a run may resume with another.
+        attention_block: "chunked": the tile size along the sequence (tokens; memory grows as
+            L x attention_block). Any length works (padded to a multiple of it).
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -153,6 +160,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     scan_layers: bool | Literal["auto"] = "auto"
     remat: Literal["none", "full", "quantized", "dots", "dots_no_batch"] = "none"
+    attention: Literal["auto", "naive", "xla", "cudnn", "chunked"] = "auto"
+    attention_block: int = 512
 
     def __post_init__(self):
         for name in (
@@ -173,6 +182,9 @@ class ModelConfig:
         _check(self.scan_layers in (True, False, "auto"), "scan_layers", "true, false or 'auto'",
                self.scan_layers)  # fmt: skip
         _check(self.remat in REMAT_POLICIES, "remat", f"one of {list(REMAT_POLICIES)}", self.remat)
+        _check(self.attention in ATTENTION_IMPLEMENTATIONS, "attention",
+               f"one of {list(ATTENTION_IMPLEMENTATIONS)}", self.attention)  # fmt: skip
+        _check(self.attention_block > 0, "attention_block", "> 0", self.attention_block)
         _check(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
                self.architecture)  # fmt: skip
         _check_architecture(self)

@@ -63,7 +63,7 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
 
 
 IMPLEMENTATION_KEYS = {
-    "model": ("scan_layers", "remat", "init_from"),
+    "model": ("scan_layers", "remat", "init_from", "attention", "attention_block"),
     "precision": ("backend", "verify_backend"),
 }
 """Keys that say how a run computes, not what it computes: a run may resume on other ones

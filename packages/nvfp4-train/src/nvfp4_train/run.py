@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import jax
 
 from nvfp4_ops import get_recipe
+from nvfp4_train.attention import attention_capability, resolve_attention
 from nvfp4_train.backend_check import backend_line, te_context, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, config_from_dict, read_config_file, upgraded
@@ -97,14 +98,35 @@ def _checkpoints(cfg: Config, run_dir: Path) -> Checkpoints:
     )
 
 
+def attention_text(cfg: Config, platform: str) -> str:
+    """`model.attention=<configured> -> <what runs at train.seq_len here>`.
+
+    Raises:
+        ConfigError: the configured implementation cannot run on `platform` (one line).
+    """
+    model = cfg.model
+    shape = {"dtype": model.compute_dtype, "head_dim": model.resolved_head_dim}
+    chosen = resolve_attention(model.attention, seq_len=cfg.train.seq_len, platform=platform,
+                               **shape)  # fmt: skip
+    ok, why = attention_capability(chosen, platform=platform, **shape)
+    if not ok:
+        raise ConfigError(f"model.attention={model.attention!r} is not available here: {why}")
+    block = f" (attention_block={model.attention_block})" if chosen == "chunked" else ""
+    return f"model.attention={model.attention} -> {chosen}{block}"
+
+
 def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
     """`cfg` with the backends that disagree with "emulated" here, or crash while checked, left
-    out (`backend_check`); the `ops backend:` line (after the check) names them and why."""
+    out (`backend_check`); the `ops backend:` line (after the check) names them and why, and
+    the attention implementation."""
+    attention = attention_text(cfg, jax.default_backend())
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
     names = {n for phase in phases for gemms in phase.names.values() for n in gemms}
     choice = trusted_backend(cfg.precision, names, say)
     if any(get_recipe(n).quantized for n in names):
-        say(backend_line(cfg.precision.backend, choice.dropped))
+        say(f"{backend_line(cfg.precision.backend, choice.dropped)}; {attention}")
+    else:
+        say(f"ops backend: {attention}")
     if choice.backend == cfg.precision.backend:
         return cfg
     precision = dataclasses.replace(cfg.precision, backend=choice.backend)

@@ -149,21 +149,28 @@ def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
 
 
 def forward_with_amax(
-    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
 ) -> tuple[jax.Array, dict[str, Any]]:
     """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
-    `TrainState.activation_amax`)."""
+    `TrainState.activation_amax`). `documents`: None, or (segment ids, positions) [B, L] of
+    packed documents (`Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
-    logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(inputs_BxL, key=key)
+    segment_ids, positions = (None, None) if documents is None else documents
+    logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(
+        inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions
+    )
     sown = nnx.to_pure_dict(intermediates)
     is_linear = lambda node: isinstance(node, dict) and INPUT_AMAX in node  # noqa: E731
     amax = jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
     return logits_BxLxV, model.layout.to_canonical(amax)
 
 
-def forward(graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None) -> jax.Array:
-    """float32 logits [B, L, vocab] of the model `graphdef` with `params`."""
-    return forward_with_amax(graphdef, params, inputs_BxL, key)[0]
+def forward(
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
+) -> jax.Array:
+    """float32 logits [B, L, vocab] of the model `graphdef` with `params` (`documents` as in
+    `forward_with_amax`)."""
+    return forward_with_amax(graphdef, params, inputs_BxL, key, documents)[0]
 
 
 def activation_constraint(mesh: Mesh | None) -> Callable[[str, jax.Array], jax.Array]:
@@ -187,12 +194,21 @@ def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
     return x
 
 
+def batch_documents(batch: Batch, constrain=None) -> tuple[jax.Array, jax.Array] | None:
+    """(segment ids, positions) of a batch that carries them (packed documents), else None."""
+    if "segment_ids" not in batch:
+        return None
+    constrain = constrain or _no_constraint
+    return constrain("tokens", batch["segment_ids"]), constrain("tokens", batch["positions"])
+
+
 def _loss_sum(
     graphdef, params, batch: Batch, key, constrain=_no_constraint
 ) -> tuple[jax.Array, int, dict[str, Any]]:
     """float32 sum of token cross-entropies, the number of tokens, and the linears' input amax."""
     inputs_BxL = constrain("tokens", batch["inputs"])
-    logits_BxLxV, amax = forward_with_amax(graphdef, params, inputs_BxL, key)
+    documents = batch_documents(batch, constrain)
+    logits_BxLxV, amax = forward_with_amax(graphdef, params, inputs_BxL, key, documents)
     logits_BxLxV = constrain("logits", logits_BxLxV)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
     return losses_BxL.sum(), losses_BxL.size, amax

@@ -87,11 +87,16 @@ def capture_linear_operands(
             f"batch must hold 'inputs' and 'targets', got keys {sorted(batch)}; missing {missing}"
         )
     constrain = activation_constraint(None) if constrain is None else constrain
+    documents = {
+        "segment_ids_BxL": batch.get("segment_ids"),
+        "positions_BxL": batch.get("positions"),
+    }
 
     def loss(perturbations):
         model = _capturing_model(graphdef, params)
         forward = nnx.capture(model, LinearOperand, nnx.Perturbation, init=perturbations)
-        logits_BxLxV, operands, _ = forward(constrain("tokens", batch["inputs"]), key=key)
+        inputs_BxL = constrain("tokens", batch["inputs"])
+        logits_BxLxV, operands, _ = forward(inputs_BxL, key=key, **documents)
         logits_BxLxV = constrain("logits", logits_BxLxV)
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
         return losses_BxL.mean(), operands
@@ -99,7 +104,7 @@ def capture_linear_operands(
     def zero_perturbations():
         model = _capturing_model(graphdef, params)
         forward = nnx.capture(model, nnx.Perturbation)
-        return forward(batch["inputs"], key=key)[1]
+        return forward(batch["inputs"], key=key, **documents)[1]
 
     shapes = jax.eval_shape(zero_perturbations)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -1,0 +1,252 @@
+"""`model.attention`: every implementation that runs here agrees with "naive" (outputs and
+dq/dk/dv, with and without document masking), document masking equals per-document attention,
+"chunked" memory grows linearly with length, and the config key's choices and errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from run_steps import initial, train_step_of
+
+from nvfp4_train.attention import (
+    attention,
+    attention_capability,
+    document_positions,
+    resolve_attention,
+)
+from nvfp4_train.config import ConfigError, config_from_dict, upgraded
+from nvfp4_train.config_loader import to_dict
+from nvfp4_train.run import attention_text
+from nvfp4_train.step import forward, model_graphdef, model_spec
+
+CPU_IMPLEMENTATIONS = ("chunked", "xla")
+PLATFORM = jax.default_backend()
+
+
+def _grads(implementation: str, block: int, q, k, v, seg, w):
+    """(output, dq, dk, dv) of sum(attention * w)."""
+
+    def loss(q, k, v):
+        out = attention(q, k, v, seg, implementation=implementation, block=block)
+        return jnp.sum(out * w), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, *grads)
+
+
+def _relative_errors(got, want):
+    """max |got - want| / max(max |want|, 1) per array (inputs are O(1), so are the grads)."""
+    return [jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1.0) for a, b in
+            zip(got, want, strict=True)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agreement():
+    """Jitted `(q, k, v, seg, w) -> {(implementation, masked): [err out, dq, dk, dv]}` vs
+    naive, with `seg` and without segment ids; `block` and `implementations` are static."""
+
+    @functools.partial(jax.jit, static_argnames=("block", "implementations"))
+    def errors(q, k, v, seg, w, *, block, implementations):
+        result = {}
+        for masked in (False, True):
+            ids = seg if masked else None
+            want = _grads("naive", block, q, k, v, ids, w)
+            for name in implementations:
+                result[name, masked] = _relative_errors(_grads(name, block, q, k, v, ids, w), want)
+        return result
+
+    return errors
+
+
+def _inputs(length: int, heads: int, kv_heads: int, seed: int = 0, head_dim: int = 16):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (1, length, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (1, length, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (1, length, kv_heads, head_dim), jnp.float32)
+    w = jax.random.normal(keys[3], q.shape, jnp.float32)
+    seg = jnp.cumsum(jax.random.bernoulli(keys[4], 0.08, (1, length)), axis=1, dtype=jnp.int32)
+    return q, k, v, seg, w
+
+
+@pytest.mark.parametrize(
+    "length, block, heads, kv_heads, implementations",
+    [(1, 4, 2, 2, ("chunked",)), (37, 8, 4, 2, CPU_IMPLEMENTATIONS), (300, 32, 4, 1, ("chunked",))],
+    ids=["L1-gqa1", "L37-block8-gqa2", "L300-block32-gqa4"],
+)  # xla (jax's own code) once: each implementation costs a compile of 2 forward + backward
+def test_implementations_agree_with_naive_outputs_and_grads(
+    agreement, length, block, heads, kv_heads, implementations
+):
+    q, k, v, seg, w = _inputs(length, heads, kv_heads)
+    errors = agreement(q, k, v, seg, w, block=block, implementations=implementations)
+    errors = jax.device_get(errors)
+    worst = {key: max(float(e) for e in errs) for key, errs in errors.items()}
+    assert all(e <= 1e-6 for e in worst.values()), worst
+
+
+@pytest.mark.skipif(
+    not attention_capability("cudnn", platform=PLATFORM)[0],
+    reason=attention_capability("cudnn", platform=PLATFORM)[1] or "cudnn runs",
+)
+def test_cudnn_agrees_with_naive_in_bfloat16():  # pragma: no cover - NVIDIA GPUs only
+    q, k, v, seg, w = (x.astype(jnp.bfloat16) for x in _inputs(256, 4, 2))
+    for ids in (None, seg):
+        got = _grads("cudnn", 64, q, k, v, ids, w)
+        want = _grads("naive", 64, q, k, v, ids, w)
+        errs = [float(e) for e in _relative_errors(got, want)]
+        assert max(errs) <= 2e-2, errs
+
+
+@pytest.mark.parametrize("implementation", ("naive", *CPU_IMPLEMENTATIONS))
+def test_document_mask_is_attention_within_each_document(implementation):
+    lengths = (5, 9, 1, 7)
+    q, k, v, _, _ = _inputs(sum(lengths), 4, 2, seed=3)
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    run = jax.jit(functools.partial(attention, implementation=implementation, block=4))
+    packed = np.asarray(run(q, k, v, seg))
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone = _numpy_causal_gqa(q[:, part], k[:, part], v[:, part])
+        np.testing.assert_allclose(packed[:, part], alone, rtol=1e-5, atol=1e-6)
+        start += n
+
+
+def _numpy_causal_gqa(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
+    """float64 NumPy causal GQA of one document (the reference of the document mask)."""
+    b, l, h, d = q_BxLxHxK.shape
+    group = h // k_BxLxGxK.shape[2]
+    k_BxLxHxK = np.repeat(k_BxLxGxK, group, axis=2)
+    v_BxLxHxK = np.repeat(v_BxLxGxK, group, axis=2)
+    scores = np.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxLxHxK) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((l, l), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhls,bshk->blhk", probs, v_BxLxHxK)
+
+
+def test_document_positions_restart_at_each_document():
+    seg = jnp.array([[0, 0, 0, 1, 1, 2], [4, 4, 4, 4, 4, 4]], jnp.int32)
+    assert document_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+
+
+def _temp_bytes(implementation: str, length: int) -> int:
+    """Temp memory XLA plans for forward + backward of attention at `length` (compiled only)."""
+    shape_q = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    shape_kv = jax.ShapeDtypeStruct((1, length, 1, 16), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, implementation=implementation, block=256))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    compiled = grad.lower(shape_q, shape_kv, shape_kv).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_memory_grows_linearly_naive_quadratically():
+    chunked = [_temp_bytes("chunked", n) for n in (4096, 8192)]
+    naive = [_temp_bytes("naive", n) for n in (4096, 8192)]
+    assert chunked[1] <= 2.5 * chunked[0], chunked
+    assert naive[1] >= 3.5 * naive[0], naive
+    assert chunked[1] * 20 < naive[1], (chunked, naive)
+
+
+def _model_config(attention_name: str, **model):
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": 64, "d_model": 32, "num_layers": 1, "num_heads": 4,
+                "num_kv_heads": 2, "mlp_dim": 64, "max_seq_len": 24, "dtype": "float32",
+                "attention": attention_name, "attention_block": 8, **model,
+            },
+            "precision": {"recipe": "bf16"},
+            "optimizer": {"learning_rate": 1e-2, "schedule": "constant", "warmup_steps": 0},
+            "train": {"steps": 20, "seed": 7, "batch_size": 2, "seq_len": 20},
+        }
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """(graphdef of `attention` -> ..., the step-0 state shared by all of them)."""
+    _, state = initial(_model_config("naive"))
+    graphdefs = {name: model_graphdef(model_spec(_model_config(name))) for name in
+                 ("naive", "chunked")}  # fmt: skip
+    return graphdefs, state
+
+
+def test_chunked_trains_with_the_losses_of_naive_on_packed_documents(tiny_model):
+    tokens = jax.random.randint(jax.random.key(1), (2, 21), 0, 64, dtype=jnp.int32)
+    seg = jnp.asarray([[0] * 7 + [1] * 13, [0] * 20], jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+             "positions": document_positions(seg)}  # fmt: skip
+    losses = {}
+    graphdefs, state0 = tiny_model
+    for name in ("naive", "chunked"):
+        state = jax.tree.map(jnp.copy, state0)
+        step = jax.jit(train_step_of(_model_config(name), graphdefs[name]))
+        losses[name] = []
+        for _ in range(20):
+            state, metrics = step(state, batch)
+            losses[name].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["chunked"], losses["naive"], rtol=1e-5)
+    assert losses["naive"][-1] < losses["naive"][0]
+
+
+def test_model_on_packed_documents_equals_each_document_alone(tiny_model):
+    graphdefs, state = tiny_model
+    run = jax.jit(functools.partial(forward, graphdefs["chunked"]))
+    tokens = jax.random.randint(jax.random.key(2), (1, 12), 0, 64, dtype=jnp.int32)
+    seg = jnp.asarray([[0] * 5 + [1] * 7], jnp.int32)
+    packed = run(state.params, tokens, None, (seg, document_positions(seg)))
+    for part in (slice(0, 5), slice(5, 12)):
+        alone = run(state.params, tokens[:, part])
+        np.testing.assert_allclose(packed[:, part], alone, rtol=2e-5, atol=2e-5)
+
+
+def test_auto_resolves_to_naive_for_short_sequences_off_gpu():
+    assert resolve_attention("auto", seq_len=128, platform="cpu") == "naive"
+    assert resolve_attention("auto", seq_len=4096, platform="cpu") == "chunked"
+    assert resolve_attention("auto", seq_len=128, platform="gpu") == "cudnn"
+    assert resolve_attention("auto", seq_len=128, platform="gpu", dtype=jnp.float32) == "naive"
+    assert resolve_attention("xla", seq_len=8, platform="cpu") == "xla"
+
+
+def test_attention_config_key_choices_and_errors():
+    assert config_from_dict({}).model.attention == "auto"
+    with pytest.raises(ConfigError, match=r"^model\.attention: expected one of 'auto'"):
+        config_from_dict({"model": {"attention": "flash"}})
+    with pytest.raises(ConfigError, match=r"model\.attention_block must be > 0, got 0"):
+        config_from_dict({"model": {"attention_block": 0}})
+    with pytest.raises(ConfigError, match="attentoin"):
+        config_from_dict({"model": {"attentoin": "naive"}})
+
+
+def test_an_old_saved_config_without_the_key_computes_naive_attention():
+    saved = to_dict(config_from_dict({}))
+    del saved["model"]["attention"]
+    assert config_from_dict(upgraded(saved)).model.attention == "naive"
+    current = to_dict(config_from_dict({"model": {"attention": "chunked"}}))
+    assert config_from_dict(upgraded(current)).model.attention == "chunked"
+
+
+def test_ops_backend_line_names_attention_and_cudnn_off_gpu_is_one_line_error():
+    cfg = config_from_dict({"train": {"seq_len": 128}})
+    assert attention_text(cfg, "cpu") == "model.attention=auto -> naive"
+    chunked = config_from_dict({"model": {"attention": "chunked", "attention_block": 64}})
+    assert (
+        attention_text(chunked, "cpu") == "model.attention=chunked -> chunked (attention_block=64)"
+    )
+    cudnn = config_from_dict({"model": {"attention": "cudnn"}})
+    with pytest.raises(
+        ConfigError, match=r"^model\.attention='cudnn' is not available here: .*cpu"
+    ):
+        attention_text(cudnn, "cpu")
+    if PLATFORM != "gpu":
+        q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"model\.attention='cudnn' cannot run here"):
+            attention(q, q, q, implementation="cudnn")
