@@ -175,7 +175,7 @@ def test_failed_export_leaves_nothing(tiny_run, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_export, "write_weights", boom)
+    monkeypatch.setattr(hf_export.ShardWriter, "write", boom)  # fails mid-stream
     with pytest.raises(ExportError, match="cannot write output .*disk full"):
         export_hf(tiny_run, tmp_path / "out", layout="compressed-tensors")
     assert list(tmp_path.iterdir()) == []

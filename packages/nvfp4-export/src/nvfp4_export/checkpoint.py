@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.params_reader import CheckpointParams
 
 PARAMS_ITEM = "params"
 CONFIG_ITEM = "config"
@@ -50,7 +51,8 @@ class Checkpoint:
 
     Attributes:
         ref: where it was read from.
-        params: flat dict, dotted path (`layers.0.attn.qkv.kernel`) -> float32 array.
+        params: dotted path (`layers.0.attn.qkv.kernel`) -> float32 array, read from disk on
+            each access (`CheckpointParams`; `params.shapes` reads nothing).
         config: the resolved training config (plain data).
         quant_stats: the optional `quant_stats` item (`recipes`, `activation_amax`), or None.
         reference: the optional `reference` item (`tokens` int32 [n, L], `logits` float32 [n, L, V]),
@@ -58,7 +60,7 @@ class Checkpoint:
     """
 
     ref: CheckpointRef
-    params: dict[str, np.ndarray]
+    params: CheckpointParams
     config: dict[str, Any]
     quant_stats: dict[str, Any] | None
     reference: dict[str, np.ndarray] | None
@@ -232,37 +234,34 @@ def checksums(x: np.ndarray) -> list[int]:
     return [int(np.sum(u, dtype=np.uint32)), int(np.sum(u * GOLDEN, dtype=np.uint32))]
 
 
-def _integrity_problems(step_dir: Path, params: dict[str, np.ndarray]) -> list[str]:
-    """Parameters whose checksums differ from the `integrity` item saved with them."""
+def _expected_checksums(step_dir: Path) -> dict[str, list[int]] | None:
+    """`params.<path>` -> saved checksums from the `integrity` item, or None without one."""
     saved = _read_item(step_dir, INTEGRITY_ITEM, _restore_json, required=False)
     if saved is None:  # written before checkpoints carried checksums
-        return []
+        return None
     if saved.get("algorithm") != INTEGRITY_ALGORITHM:
-        return [f"unknown integrity algorithm {saved.get('algorithm')!r}"]
-    expected = saved.get("checksums", {})
-    return sorted(
-        name for name, value in params.items() if expected.get(f"params.{name}") != checksums(value)
-    )
+        raise ExportError(
+            f"checkpoint {str(step_dir)!r} has an integrity item with unknown algorithm "
+            f"{saved.get('algorithm')!r}, expected {INTEGRITY_ALGORITHM!r}; refusing to export it"
+        )
+    return saved.get("checksums", {})
+
+
+def _lazy_params(step_dir: Path) -> CheckpointParams:
+    expected = _expected_checksums(step_dir)
+    reader = lambda item_dir: CheckpointParams(item_dir, expected, checksums)  # noqa: E731
+    return _read_item(step_dir, PARAMS_ITEM, reader, required=True)
 
 
 def read_checkpoint(ref: CheckpointRef) -> Checkpoint:
-    """Reads params, config and the optional `quant_stats` / `reference` items of `ref`.
+    """Opens `ref`: params lazily (shapes now, each value read and checked on access), config and
+    the optional `quant_stats` / `reference` items.
 
     Raises:
-        ExportError: a required item is missing or cannot be read, non-finite parameters, or
-            parameters whose checksums differ from the checkpoint's `integrity` item.
+        ExportError: a required item is missing or cannot be read; later, on access, a parameter
+            that holds NaN or Inf or whose checksums differ from the `integrity` item.
     """
-    params = _flatten(_read_item(ref.step_dir, PARAMS_ITEM, _restore_pytree, required=True))
-    for name, value in params.items():
-        if not np.all(np.isfinite(value)):
-            raise ExportError(f"parameter {name!r} holds NaN or Inf; refusing to export it")
-    differ = _integrity_problems(ref.step_dir, params)
-    if differ:
-        raise ExportError(
-            f"checkpoint {str(ref.step_dir)!r} is not what was saved: the checksums of "
-            f"{', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''} differ from its "
-            "integrity item (bytes changed on disk?); refusing to export it"
-        )
+    params = _lazy_params(ref.step_dir)
     stats = _read_item(ref.step_dir, QUANT_STATS_ITEM, _restore_json, required=False)
     if stats is not None and not isinstance(stats, dict):
         raise ExportError(

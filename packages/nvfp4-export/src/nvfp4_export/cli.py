@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from nvfp4_export.errors import ExportError
-from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, ExportProgress, export_hf
 from nvfp4_export.layouts import LAYOUTS
 from nvfp4_export.onnx_graph import FORMS
 from nvfp4_export.servers import SERVERS
@@ -35,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                     "that loads the layout and mode)")  # fmt: skip
     hf.add_argument("--allow-dropped-tensors", action="store_true",
                     help="export even if a server would drop a trained tensor (warns)")  # fmt: skip
+    hf.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (there is none when stderr is not a terminal)")  # fmt: skip
     ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
     ox.add_argument("checkpoint")
     ox.add_argument("out_file")
@@ -51,14 +54,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Callable[[ExportProgress], None]]:
+    """A rich progress bar on stderr (tensors, checkpoint bytes, ETA), or a no-op callback."""
+    if not enabled:
+        yield lambda _: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,  # fmt: skip
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("exporting"), BarColumn(), TextColumn("{task.description} tensors"),
+               DownloadColumn(), TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("0/?", total=None)
+
+        def update(p: ExportProgress) -> None:
+            bar.update(task, completed=p.bytes_done, total=p.bytes_total,
+                       description=f"{p.tensors_done}/{p.tensors_total}")  # fmt: skip
+
+        yield update
+
+
 def _hf(args: argparse.Namespace) -> int:
-    result = export_hf(
-        args.checkpoint, args.out_dir, layout=args.layout, weight_only=args.weight_only,
-        step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
-        calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
-        servers=args.servers, allow_dropped_tensors=args.allow_dropped_tensors,
-        log=lambda m: print(m, file=sys.stderr),
-    )  # fmt: skip
+    show = not args.no_progress and sys.stderr.isatty()
+    with _progress_bar(show) as progress:
+        result = export_hf(
+            args.checkpoint, args.out_dir, layout=args.layout, weight_only=args.weight_only,
+            step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
+            calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
+            servers=args.servers, allow_dropped_tensors=args.allow_dropped_tensors,
+            log=lambda m: print(m, file=sys.stderr), progress=progress,
+        )  # fmt: skip
     plan = result.plan
     mode = "W4A4" if plan.w4a4 else "weight-only"
     print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from nvfp4_export.checkpoint import (
     read_checkpoint,
     resolve_checkpoint,
 )
+from nvfp4_export.dense_names import dense_entries
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
 from nvfp4_export.hf_files import (
@@ -21,12 +23,12 @@ from nvfp4_export.hf_files import (
     GENERATION_CONFIG_FILE,
     HF_QUANT_CONFIG_FILE,
     copy_tokenizer,
-    dense_tensors,
+    dense_parts,
+    dense_slots,
     generation_config,
     hf_config,
     special_token_ids,
     write_json,
-    write_weights,
 )
 from nvfp4_export.layouts import (
     LayoutPlan,
@@ -35,12 +37,13 @@ from nvfp4_export.layouts import (
     plan_layout,
     quantization_config,
 )
-from nvfp4_export.linears import ExportedLinear, export_linear
+from nvfp4_export.linears import ExportedLinear, export_linear, planned_linear
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
 from nvfp4_export.servers import check_servers
+from nvfp4_export.shard_writer import ShardWriter, TensorSlot
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
@@ -163,11 +166,56 @@ def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan, 
     }
 
 
-def _write_dir(out, ckpt, spec, linears, plan, provenance, max_shard_bytes) -> list[str]:
-    tensors = dense_tensors(spec, ckpt.params)
-    for m in linears:
-        tensors.update(linear_tensors(m, plan))
-    files = write_weights(out, tensors, max_shard_bytes)
+@dataclasses.dataclass(frozen=True)
+class ExportProgress:
+    """Where a running export stands (passed to `export_hf`'s `progress` after each tensor).
+
+    Attributes:
+        tensors_done / tensors_total: checkpoint tensors handled / to handle.
+        bytes_done / bytes_total: float32 checkpoint bytes of those tensors.
+    """
+
+    tensors_done: int
+    tensors_total: int
+    bytes_done: int
+    bytes_total: int
+
+
+def _weight_slots(spec: LlamaSpec, shapes, planned: list[ExportedLinear], plan) -> list[TensorSlot]:
+    """Every weight-file tensor in file-assignment order: dense ones, then the linears'."""
+    slots = dense_slots(spec, shapes)
+    for m in planned:
+        slots += [
+            TensorSlot(n, a.dtype, tuple(a.shape)) for n, a in linear_tensors(m, plan).items()
+        ]
+    return slots
+
+
+def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progress) -> None:
+    """Reads each checkpoint tensor once (one read ahead), converts it and writes its HF tensors."""
+    dense = {t.param: t for t in dense_entries(spec)}
+    kernels = {f"{path}.kernel": path for path in spec.linear_paths()}
+    names = [*dense, *kernels]
+    total = sum(ckpt.params.nbytes(n) for n in names)
+    done = 0
+    for k, (name, value) in enumerate(ckpt.params.read_ahead(names), start=1):
+        if name in dense:
+            tensors = dense_parts(spec, dense[name], value)
+        else:
+            path = kernels[name]
+            linears = export_linear(spec, path, value, recipes[path], amax.get(path))
+            tensors = {n: a for m in linears for n, a in linear_tensors(m, plan).items()}
+        for tensor_name, array in tensors.items():
+            writer.write(tensor_name, array)
+        done += ckpt.params.nbytes(name)
+        del value, tensors
+        progress(ExportProgress(k, len(names), done, total))
+
+
+def _write_dir(out, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes) -> list[str]:
+    with ShardWriter(out, slots, max_shard_bytes) as writer:
+        stream(writer)
+    files = list(writer.files)
     bos, eos = special_token_ids(ckpt.tokenizer_dir)
     config = hf_config(spec, eos_token_id=eos, bos_token_id=bos)
     if plan.fmt != BF16:
@@ -197,6 +245,7 @@ def export_hf(
     servers: Sequence[str] | None = None,
     allow_dropped_tensors: bool = False,
     log: Callable[[str], None] = lambda _: None,
+    progress: Callable[[ExportProgress], None] = lambda _: None,
 ) -> ExportResult:
     """Exports a training checkpoint as a Hugging Face Llama directory in `layout`.
 
@@ -215,6 +264,7 @@ def export_hf(
         allow_dropped_tensors: export even when one of `servers` would drop a trained tensor (a
             Qwen 3 `o_proj` bias in vLLM), with a warning in `notes`, instead of refusing.
         log: receives progress messages and notes.
+        progress: called with an `ExportProgress` after each checkpoint tensor is written.
 
     Raises:
         ExportError: bad checkpoint, layout, dimensions or output path; a model whose
@@ -236,18 +286,24 @@ def export_hf(
     text = None if calibration_text is None else Path(calibration_text)
     amax, source = _input_amax(ckpt, spec, recipes, calibrate_n if not weight_only else 0, text)
     log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
-    linears: list[ExportedLinear] = []
+    shapes = ckpt.params.shapes
+    planned: list[ExportedLinear] = []
     for path in spec.linear_paths():
-        kernel = ckpt.params[f"{path}.kernel"]
-        linears += export_linear(spec, path, kernel, recipes[path], amax.get(path))
-    plan = plan_layout(layout, linears, weight_only=weight_only)
+        in_features = shapes[f"{path}.kernel"][0]
+        planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path))
+    plan = plan_layout(layout, planned, weight_only=weight_only)
     _refuse_per_token_w4a4(plan, recipes)
     notes = _weight_only_fallback(plan, weight_only)  # before writing anything
     targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
     notes += dropped
     provenance = _provenance(ckpt, spec, recipes, amax, source, plan, targets)
+    slots = _weight_slots(spec, shapes, planned, plan)
+    stream = functools.partial(
+        _stream_weights, ckpt=ckpt, spec=spec, recipes=recipes, amax=amax, plan=plan,
+        progress=progress,
+    )  # fmt: skip
     with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:
-        files = _write_dir(tmp, ckpt, spec, linears, plan, provenance, max_shard_bytes)
+        files = _write_dir(tmp, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes)
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
     for note in notes:
         log("warning: " + note)

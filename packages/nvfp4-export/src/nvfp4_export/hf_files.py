@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
+from nvfp4_export.bfloat16 import to_bfloat16, transposed
 from nvfp4_export.dense_names import DenseTensor, dense_entries
 from nvfp4_export.errors import ExportError
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
+from nvfp4_export.shard_writer import TensorSlot
 
 SAFETENSORS_METADATA = {"format": "pt"}
 SINGLE_FILE = "model.safetensors"
@@ -92,16 +95,36 @@ def _as_stored(spec: LlamaSpec, t: DenseTensor, param: np.ndarray) -> dict[str, 
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16))
+    """`x` as C-contiguous bfloat16 (a transposed view is rounded first, then transposed)."""
+    if x.ndim == 2 and not x.flags.c_contiguous and x.T.flags.c_contiguous:
+        return transposed(to_bfloat16(x.T).view(np.uint16)).view(ml_dtypes.bfloat16)
+    return to_bfloat16(x)
+
+
+def dense_parts(spec: LlamaSpec, t: DenseTensor, param: np.ndarray) -> dict[str, np.ndarray]:
+    """Placed entry `t` of training parameter `param` in BF16 under its HF names."""
+    return {name: _bf16(value) for name, value in _as_stored(spec, t, param).items()}
+
+
+def dense_slots(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSlot]:
+    """The (name, dtype, shape) of every tensor `dense_tensors` gives, from parameter shapes."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    return [
+        TensorSlot(name, bf16, tuple(value.shape))
+        for t in dense_entries(spec)
+        for name, value in _as_stored(
+            spec, t, np.broadcast_to(np.float32(0), shapes[t.param])
+        ).items()
+    ]
 
 
 def dense_tensors(spec: LlamaSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Embeddings, norms, biases and lm_head in BF16 under their HF names (a fused q|k|v bias
     split like its kernel), in model order."""
     return {
-        name: _bf16(value)
+        name: v
         for t in dense_entries(spec)
-        for name, value in _as_stored(spec, t, params[t.param]).items()
+        for name, v in dense_parts(spec, t, params[t.param]).items()
     }
 
 

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 import nvfp4_format
+from nvfp4_export.bfloat16 import bfloat16_values_transposed, transposed
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import BF16, FORMATS
 from nvfp4_export.model_spec import LlamaSpec
@@ -94,6 +95,10 @@ def hf_modules(spec: LlamaSpec, source: str) -> list[tuple[str, int]]:
 
 def compute_weight_t(kernel_IxO: np.ndarray, dtype: str) -> np.ndarray:
     """W^T [out, in] as float32 holding the compute-dtype values the model multiplied with."""
+    if dtype == "bfloat16":
+        return bfloat16_values_transposed(kernel_IxO)
+    if dtype == "float32":
+        return transposed(np.asarray(kernel_IxO, np.float32))
     return np.ascontiguousarray(kernel_IxO.astype(_NP_DTYPES[dtype]).astype(np.float32).T)
 
 
@@ -148,6 +153,44 @@ def export_linear(
             block_scale_rule=wf.block_scale_rule,
         )
         for name, rows in parts
+    ]
+
+
+def _placeholder(dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only array of `dtype` and `shape` that takes no memory (for planning)."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
+
+
+def planned_linear(
+    spec: LlamaSpec, source: str, in_features: int, recipe: str, input_amax: float | None
+) -> list[ExportedLinear]:
+    """The HF modules `export_linear` gives for `source`, with placeholder data: right names,
+    formats, dtypes and shapes, no values (what the layout and the weight files' headers need
+    before any weight is read)."""
+    wf = weight_format(recipe, source)
+    parts = hf_modules(spec, source)
+    if wf.fmt == BF16:
+        return [
+            ExportedLinear(
+                n, source, BF16, weight=_placeholder(ml_dtypes.bfloat16, (r, in_features))
+            )
+            for n, r in parts
+        ]
+    f = FORMATS[wf.fmt]
+    scale_dtype = getattr(ml_dtypes, f.scale_dtype, None) or np.dtype(f.scale_dtype)
+    amax = None if input_amax is None else float(input_amax)
+    return [
+        ExportedLinear(
+            n,
+            source,
+            wf.fmt,
+            packed=_placeholder(np.uint8, (r, in_features // 2)),
+            scales=_placeholder(scale_dtype, (r, in_features // f.block_size)),
+            weight_amax=np.float32(1.0),
+            input_amax=amax,
+            block_scale_rule=wf.block_scale_rule,
+        )  # fmt: skip
+        for n, r in parts
     ]
 
 

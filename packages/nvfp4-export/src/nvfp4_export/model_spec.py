@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -166,8 +167,18 @@ class LlamaSpec:
         return shapes
 
 
-def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> LlamaSpec:
-    """The `LlamaSpec` of a training config's `model:` section, checked against `params`.
+def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Path -> shape of `params`: a dict of arrays, or a `CheckpointParams` (its metadata shapes,
+    so that nothing is read from disk)."""
+    shapes = getattr(params, "shapes", None)
+    if shapes is not None:
+        return {name: tuple(shape) for name, shape in shapes.items()}
+    return {name: tuple(np.shape(value)) for name, value in params.items()}
+
+
+def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> LlamaSpec:
+    """The `LlamaSpec` of a training config's `model:` section, checked against `params`
+    (arrays, or a `CheckpointParams`, whose shapes are read without reading its values).
 
     `vocab_size` comes from the embedding (the config may say 0 = "from the data").
 
@@ -182,7 +193,7 @@ def spec_from_config(config: dict[str, Any], params: dict[str, np.ndarray]) -> L
     try:
         heads = int(model["num_heads"])
         spec = LlamaSpec(
-            vocab_size=int(params[EMBED.param].shape[0]),
+            vocab_size=int(param_shapes(params)[EMBED.param][0]),
             d_model=int(model["d_model"]),
             num_layers=int(model["num_layers"]),
             num_heads=heads,
@@ -246,8 +257,9 @@ def _rope_scaling(section: Any) -> dict[str, Any] | None:
     return dict(section) if section.get("rope_type", "default") != "default" else None
 
 
-def check_params(spec: LlamaSpec, params: dict[str, np.ndarray]) -> None:
+def check_params(spec: LlamaSpec, params: Mapping[str, Any]) -> None:
     """Raises ExportError unless `params` has exactly the tree and shapes `spec` implies."""
+    shapes = param_shapes(params)
     expected = spec.expected_params()
     missing = sorted(set(expected) - set(params))
     extra = sorted(set(params) - set(expected))
@@ -256,7 +268,7 @@ def check_params(spec: LlamaSpec, params: dict[str, np.ndarray]) -> None:
             f"params do not match the config's Llama: missing {missing[:8]}, unexpected {extra[:8]}"
         )
     for name, shape in expected.items():
-        if tuple(params[name].shape) != shape:
+        if shapes[name] != shape:
             raise ExportError(
-                f"param {name!r} must have shape {shape} per the config, got {params[name].shape}"
+                f"param {name!r} must have shape {shape} per the config, got {shapes[name]}"
             )

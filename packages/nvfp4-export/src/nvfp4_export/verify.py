@@ -9,6 +9,7 @@ import numpy as np
 
 from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
 from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logits
+from nvfp4_export.dense_names import dense_entries
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import (
     BF16,
@@ -18,7 +19,7 @@ from nvfp4_export.formats import (
     layout_names,
 )
 from nvfp4_export.forward import ForwardWeights, forward
-from nvfp4_export.hf_files import dense_tensors
+from nvfp4_export.hf_files import dense_parts
 from nvfp4_export.invariants import layout_problems, nonfinite_problems
 from nvfp4_export.linears import export_linear
 from nvfp4_export.model_spec import spec_from_config
@@ -178,9 +179,11 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
 
 
 def _dense_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
-    """Embeddings, norms and lm_head of the export against the checkpoint's, bit for bit."""
+    """Embeddings, norms and lm_head of the export against the checkpoint's, bit for bit (one
+    checkpoint tensor read at a time)."""
     problems = []
-    for name, want in dense_tensors(loaded.spec, ckpt.params).items():
+    parts = (dense_parts(loaded.spec, t, ckpt.params[t.param]) for t in dense_entries(loaded.spec))
+    for name, want in (item for part in parts for item in part.items()):
         got = loaded.tensors.get(name)
         if got is None:
             continue  # reported by the layout invariants

@@ -1,0 +1,118 @@
+"""Writes a synthetic Llama-3-8B-shaped training checkpoint (random float32 masters), layer by layer.
+
+The run directory has the layout `nvfp4-export` reads (docs/export.md, "What export reads"):
+`config.yaml` and `checkpoints/<step>/{params,config}`, the `params` item an orbax PyTree (OCDBT,
+StandardSave) like the trainer's. Each tensor is first generated into a scratch `.npy` memmap, 1024
+rows at a time (layer by layer, so the generator holds at most one row block in RAM), and the tree
+handed to orbax holds read-only memmaps of those files; the scratch directory is deleted at the end
+(peak disk: about twice the checkpoint, ~64 GB at full size). Orbax's own save buffers are not
+bounded by this script (it may copy several leaves at once while compressing them).
+
+Full size (about 32 GB of float32; NOT for CI):
+    python packages/nvfp4-export/benchmarks/make_synthetic_checkpoint.py /data/llama3-8b-synth
+Small shape (a test of the script itself):
+    python packages/nvfp4-export/benchmarks/make_synthetic_checkpoint.py /tmp/s --layers 2 \
+        --d-model 256 --mlp-dim 512 --vocab 1024 --heads 4 --kv-heads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+LLAMA3_8B = {"vocab_size": 128256, "d_model": 4096, "num_layers": 32, "num_heads": 32,
+             "num_kv_heads": 8, "head_dim": 128, "mlp_dim": 14336, "max_seq_len": 8192,
+             "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_embeddings": False,
+             "dtype": "bfloat16"}  # fmt: skip
+
+
+def leaf_shapes(model: dict) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> shape of every float32 master weight, in the order they are written."""
+    d, f, v, hd = model["d_model"], model["mlp_dim"], model["vocab_size"], model["head_dim"]
+    nh, nkv = model["num_heads"], model["num_kv_heads"]
+    shapes = {"embed.embedding": (v, d), "final_norm.scale": (d,), "lm_head.kernel": (d, v)}
+    for i in range(model["num_layers"]):
+        p = f"layers.{i}."
+        shapes |= {p + "attn_norm.scale": (d,), p + "mlp_norm.scale": (d,),
+                   p + "attn.qkv.kernel": (d, (nh + 2 * nkv) * hd), p + "attn.o.kernel": (nh * hd, d),
+                   p + "mlp.gate_up.kernel": (d, 2 * f), p + "mlp.down.kernel": (f, d)}  # fmt: skip
+    return shapes
+
+
+def _fill(scratch: np.memmap, name: str, rng: np.random.Generator, rows: int = 1024) -> None:
+    """Random N(0, 0.02) weights (norm scales: ones), `rows` rows at a time."""
+    if name.endswith(".scale"):
+        scratch[...] = 1.0
+        return
+    for start in range(0, scratch.shape[0], rows):
+        block = scratch[start : start + rows]
+        block[...] = rng.standard_normal(block.shape, dtype=np.float32) * np.float32(0.02)
+    scratch.flush()
+
+
+def _nested(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
+def write_checkpoint(run_dir: Path, model: dict, step: int = 1, seed: int = 0) -> int:
+    """Writes `run_dir` (config.yaml, checkpoints/<step>/{params, config}); returns the number of
+    parameters."""
+    import orbax.checkpoint as ocp
+    import yaml
+
+    config = {"model": model, "precision": {"recipe": "nvfp4"}, "output_dir": str(run_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    rng = np.random.default_rng(seed)
+    shapes = leaf_shapes(model)
+    with tempfile.TemporaryDirectory(dir=run_dir) as scratch_dir:
+        flat = {}
+        for name, shape in shapes.items():
+            mm = np.lib.format.open_memmap(
+                Path(scratch_dir) / f"{name}.npy", mode="w+", dtype=np.float32, shape=shape
+            )
+            _fill(mm, name, rng)
+            flat[name] = np.load(Path(scratch_dir) / f"{name}.npy", mmap_mode="r")
+            del mm
+        options = ocp.CheckpointManagerOptions(create=True)
+        with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as mgr:
+            items = {"params": ocp.args.StandardSave(_nested(flat)),
+                     "config": ocp.args.JsonSave(config)}  # fmt: skip
+            mgr.save(step, args=ocp.args.Composite(**items))
+            mgr.wait_until_finished()
+    return int(sum(np.prod(s) for s in shapes.values()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--layers", type=int, default=LLAMA3_8B["num_layers"])
+    ap.add_argument("--d-model", type=int, default=LLAMA3_8B["d_model"])
+    ap.add_argument("--mlp-dim", type=int, default=LLAMA3_8B["mlp_dim"])
+    ap.add_argument("--vocab", type=int, default=LLAMA3_8B["vocab_size"])
+    ap.add_argument("--heads", type=int, default=LLAMA3_8B["num_heads"])
+    ap.add_argument("--kv-heads", type=int, default=LLAMA3_8B["num_kv_heads"])
+    args = ap.parse_args()
+    model = {**LLAMA3_8B, "num_layers": args.layers, "d_model": args.d_model,
+             "mlp_dim": args.mlp_dim, "vocab_size": args.vocab, "num_heads": args.heads,
+             "num_kv_heads": args.kv_heads, "head_dim": args.d_model // args.heads}  # fmt: skip
+    start = time.perf_counter()
+    n = write_checkpoint(args.run_dir, model)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"run_dir": str(args.run_dir), "parameters": n, "seconds": round(seconds, 1)}))
+
+
+if __name__ == "__main__":
+    main()
