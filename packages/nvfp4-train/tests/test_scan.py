@@ -8,9 +8,12 @@ one rounding per update on some elements: XLA's algebraic simplifier turns Adam'
 its bias-correction scalar into a multiplication by the reciprocal for some leaves and not for
 others, depending on how many leaves share the scalar (reproduced with plain optax: one stacked
 leaf and the same values as separate leaves differ in the same way). Training carries that last
-bit on: over 20 AdamW steps the losses agree exactly for NVFP4 and to 1.3e-3 (relative) for BF16,
-so NOT within 1e-6. With XLA's default flags (excess precision allowed) scanned and unrolled code
-may keep different intermediates in float32, so the forward itself can differ in the last bits.
+bit on: over 20 AdamW steps the BF16 losses agree to 1.3e-3 (relative), so NOT within 1e-6.
+AdamW runs for BF16 only: the SGD runs show NVFP4's gradients bit-identical scanned or not, so
+what AdamW adds is the optimizer's rounding, which no recipe changes (the NVFP4 AdamW losses,
+when they were run, agreed exactly). With XLA's default flags (excess precision allowed) scanned
+and unrolled code may keep different intermediates in float32, so the forward itself can differ
+in the last bits.
 """
 
 from __future__ import annotations
@@ -215,7 +218,7 @@ def _numerics_report() -> dict:
                 "params_after_20": digest(layout.to_canonical(state.params)),
                 "amax": digest(state.activation_amax),
             }
-            if remat == "none":  # the run's own optimizer: AdamW, clipping at 1.0
+            if remat == "none" and recipe == "bf16":  # the run's optimizer: AdamW, clip 1.0
                 adamw = run_optimizer(cfg)
                 graphdef, state = initial(cfg)
                 adam_step = jax.jit(train_step_of(cfg, graphdef, adamw))
@@ -256,7 +259,7 @@ def test_scanned_and_unscanned_train_bit_identically_with_sgd(numerics, recipe):
             assert row[item] == reference[item], f"{name}: {item} differs"
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["bf16"])  # the optimizer's rounding: see the module doc
 def test_adamw_updates_of_stacked_blocks_differ_by_at_most_one_rounding(numerics, recipe):
     plain = numerics[f"{recipe}/scan=False/remat=none"]
     scanned = numerics[f"{recipe}/scan=True/remat=none"]
