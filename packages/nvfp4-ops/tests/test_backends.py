@@ -113,5 +113,6 @@ def test_a_backend_made_to_disagree_fails_verification(monkeypatch, capsys, fact
     assert not report.ok
     assert {(c.recipe, c.quantity) for c in report.checks if not c.ok} == caught
     assert "DISAGREES" in report.table()
-    assert main(["doctor", "--verify"]) == 1
+    if factor == 0.5:  # the CLI's exit status once: a second full battery proves nothing more
+        assert main(["doctor", "--verify"]) == 1
     jax.clear_caches()
