@@ -65,11 +65,12 @@ def test_export_cli_is_w4a4_from_the_training_items_and_verifies(run_dir, tmp_pa
 
 def test_export_checks_the_checksums_training_wrote(run_dir, tmp_path):
     # The same checksum algorithm on both sides of the schema: training's JAX one and export's
-    # NumPy one agree on every parameter; an altered checksum makes export refuse the checkpoint.
+    # NumPy one agree on every parameter; an altered checksum makes export refuse the tensor when
+    # it reads it (export reads the checkpoint one tensor at a time).
     import json
     import shutil
 
-    from nvfp4_export import ExportError
+    from nvfp4_export import ExportError, export_hf
     from nvfp4_export.checkpoint import checksums
 
     ckpt = read_checkpoint(resolve_checkpoint(run_dir))  # passes: every checksum matches
@@ -81,5 +82,11 @@ def test_export_checks_the_checksums_training_wrote(run_dir, tmp_path):
     item = copy / "checkpoints" / step_dir.name / "integrity" / "metadata"
     saved["checksums"]["params.embed.embedding"][1] ^= 1
     item.write_text(json.dumps(saved))
+    altered = read_checkpoint(resolve_checkpoint(copy))
     with pytest.raises(ExportError, match=r"not what was saved: the checksums of embed.embedding"):
-        read_checkpoint(resolve_checkpoint(copy))
+        altered.params["embed.embedding"]
+    altered.params["final_norm.scale"]  # the others still read
+    out = tmp_path / "export"
+    with pytest.raises(ExportError, match=r"the checksums of embed.embedding"):
+        export_hf(copy, out, layout="modelopt")
+    assert not out.exists()  # nothing half-written
