@@ -1,6 +1,7 @@
-"""Writing a Hugging Face model directory: config.json, generation_config.json, tokenizer, weights
-(the dense BF16 tensors under their HF names included: `dense_tensors`, shared by the HF and ONNX
-exports)."""
+"""The files of a Hugging Face model directory: config.json, generation_config.json, the tokenizer,
+and the dense BF16 tensors under their HF names (`dense_slots`: names, dtypes and shapes;
+`dense_parts` / `dense_tensors`: values, shared by the HF and ONNX exports). The weight files
+themselves are written by `shard_writer`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import safetensors.numpy
 
 from nvfp4_export.bfloat16 import to_bfloat16, transposed
 from nvfp4_export.dense_names import DenseTensor, dense_entries
-from nvfp4_export.errors import ExportError
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
 from nvfp4_export.shard_writer import TensorSlot
@@ -135,42 +134,6 @@ def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> 
 
 def write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-
-
-def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, array in tensors.items():
-        if shards[-1] and size + array.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += array.nbytes
-    return shards
-
-
-def write_weights(out_dir: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[str]:
-    """Writes `model.safetensors`, or `model-0000K-of-0000N.safetensors` + the index when large.
-
-    Returns:
-        The file names written.
-    """
-    if max_shard_bytes < 1:
-        raise ExportError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        safetensors.numpy.save_file(tensors, str(out_dir / SINGLE_FILE), SAFETENSORS_METADATA)
-        return [SINGLE_FILE]
-    weight_map, files = {}, []
-    for k, names in enumerate(shards, start=1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        part = {n: tensors[n] for n in names}
-        safetensors.numpy.save_file(part, str(out_dir / file), SAFETENSORS_METADATA)
-        weight_map.update(dict.fromkeys(names, file))
-        files.append(file)
-    total = int(sum(a.nbytes for a in tensors.values()))
-    write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return [*files, INDEX_FILE]
 
 
 def special_token_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:

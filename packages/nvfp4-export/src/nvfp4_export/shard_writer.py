@@ -6,8 +6,8 @@ sorted by dtype, widest first, then by name; compact separators; padded with spa
 of 8) and the tensors' bytes in header order. Since the header needs only names, dtypes and shapes,
 it is written first from a `TensorSlot` list; each tensor's bytes then go to their offset when the
 tensor is produced (`os.pwrite`), so a shard never has to be held in memory. The sharding rule is
-`hf_files.write_weights`': tensors in the given order, a new shard when the next one would pass
-`max_shard_bytes`; one shard is `model.safetensors`, several are `model-0000K-of-0000N.safetensors`
+the in-memory writer's it replaced: tensors in the given order, a new shard when the next one
+would pass `max_shard_bytes`; one shard is `model.safetensors`, several are `model-0000K-of-0000N.safetensors`
 plus `model.safetensors.index.json`, written when every tensor is in place.
 """
 
