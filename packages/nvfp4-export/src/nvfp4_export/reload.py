@@ -35,13 +35,12 @@ from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linea
 from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
 from nvfp4_export.output_dir import MANIFEST
 from nvfp4_export.policy import weight_format
+from nvfp4_export.shard_writer import DTYPE_TAG
 from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
-from nvfp4_format.safetensors_header import DTYPE_TAGS, TensorInfo
+from nvfp4_format.safetensors_header import TensorInfo
 
 PROVENANCE_FILE = MANIFEST
-_TAGS = {dtype: tag for tag, dtype in DTYPE_TAGS.items() if tag != "F4"}
-"""NumPy dtype -> safetensors dtype tag (uint8 is "U8": packed codes are read back as bytes)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +81,7 @@ def tensor_infos(tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
     """Header entries (`TensorInfo`, no file offsets) of in-memory tensors, for the detection."""
     infos = {}
     for name, array in tensors.items():
-        tag = _TAGS.get(np.dtype(array.dtype), np.dtype(array.dtype).name)
+        tag = DTYPE_TAG.get(np.dtype(array.dtype), np.dtype(array.dtype).name)
         infos[name] = TensorInfo(name, tag, tuple(array.shape), 0, int(array.nbytes))
     return infos
 

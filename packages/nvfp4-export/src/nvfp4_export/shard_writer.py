@@ -20,19 +20,16 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from nvfp4_export.errors import ExportError
+from nvfp4_format.safetensors_header import DTYPE_TAGS, PACKED_FP4_TAG
 
-SAFETENSORS_DTYPES = {
-    np.dtype(np.float32): ("F32", 5),
-    np.dtype(ml_dtypes.bfloat16): ("BF16", 4),
-    np.dtype(np.float16): ("F16", 3),
-    np.dtype(ml_dtypes.float8_e4m3fn): ("F8_E4M3", 2),
-    np.dtype(np.uint8): ("U8", 1),
-}
-"""NumPy dtype -> (safetensors tag, its rank in the library's file order: higher first)."""
+DTYPE_TAG = {dtype: tag for tag, dtype in DTYPE_TAGS.items() if tag != PACKED_FP4_TAG}
+"""NumPy dtype -> safetensors dtype tag (uint8 is "U8": packed codes are stored as bytes)."""
+FILE_ORDER = {"F32": 5, "BF16": 4, "F16": 3, "F8_E4M3": 2, "U8": 1}
+"""The tags an export writes -> their rank in the safetensors library's file order (higher
+first, then by name)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +46,14 @@ class TensorSlot:
 
 
 def _tag(dtype: np.dtype) -> tuple[str, int]:
-    try:
-        return SAFETENSORS_DTYPES[np.dtype(dtype)]
-    except KeyError:
+    """(safetensors tag, file-order rank) of `dtype`."""
+    tag = DTYPE_TAG.get(np.dtype(dtype))
+    if tag not in FILE_ORDER:
         raise ExportError(
             f"dtype {np.dtype(dtype).name} has no safetensors tag here; expected one of "
-            f"{[d.name for d in SAFETENSORS_DTYPES]}"
-        ) from None
+            f"{[DTYPE_TAGS[t].name for t in FILE_ORDER]}"
+        )
+    return tag, FILE_ORDER[tag]
 
 
 def safetensors_header(
