@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from nvfp4_export.errors import ExportError
-from nvfp4_export.params_reader import CheckpointParams
+from nvfp4_export.params_reader import CheckpointParams, tree_metadata
 
 PARAMS_ITEM = "params"
 CONFIG_ITEM = "config"
@@ -134,29 +134,13 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> CheckpointR
     return CheckpointRef(checkpoints_dir / str(chosen), chosen, run_dir)
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
-    if isinstance(tree, dict):
-        flat: dict[str, np.ndarray] = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: np.asarray(tree)}
-
-
 def _restore_pytree(item_dir: Path) -> Any:
     """An orbax PyTree item as nested dicts of NumPy arrays (no target needed)."""
     import jax  # orbax needs JAX; imported here so `import nvfp4_export` stays light
     import orbax.checkpoint as ocp
 
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree_metadata(item_dir))
     checkpointer = ocp.PyTreeCheckpointer()
-    try:
-        metadata = checkpointer.metadata(item_dir)
-    except BaseException:
-        checkpointer.close()
-        raise
-    tree = getattr(metadata, "item_metadata", metadata)
-    tree = getattr(tree, "tree", tree)
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
     try:
         return checkpointer.restore(item_dir, restore_args=args)
     finally:

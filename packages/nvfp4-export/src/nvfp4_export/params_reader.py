@@ -20,7 +20,8 @@ import numpy as np
 from nvfp4_export.errors import ExportError
 
 
-def _tree_metadata(item_dir: Path) -> Any:
+def tree_metadata(item_dir: Path) -> Any:
+    """The tree of an orbax PyTree item's metadata (leaves carry shape and dtype; nothing read)."""
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.PyTreeCheckpointer()
@@ -92,7 +93,7 @@ class CheckpointParams(Mapping[str, np.ndarray]):
         self._item_dir = item_dir
         self._expected = expected_checksums
         self._checksums = checksums
-        self._shapes = _leaf_shapes(_tree_metadata(item_dir))
+        self._shapes = _leaf_shapes(tree_metadata(item_dir))
 
     @property
     def shapes(self) -> Mapping[str, tuple[int, ...]]:
