@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.attention import attention, naive_attention
+from nvfp4_train.attention import attention
 
 INPUT_AMAX = "input_amax"
 """Name of the `nnx.Intermediate` each `QuantLinear` call sows: max |input| of that call."""
@@ -236,11 +236,6 @@ class Attention(nnx.Module):
             implementation=self.implementation, block=self.block,
         )  # fmt: skip
         return self.o(out_BxLxHxK.reshape(b, l, nh * hd), keys[1])
-
-
-def causal_gqa(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
-    """Causal softmax attention, materialised: `nvfp4_train.attention.naive_attention`."""
-    return naive_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
 
 
 class MLP(nnx.Module):
