@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from run_steps import initial, train_step_of
+from test_model import attention_reference
 
 from nvfp4_train.attention import (
     attention,
@@ -117,16 +118,12 @@ def test_document_mask_is_attention_within_each_document(implementation):
 
 
 def _numpy_causal_gqa(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK):
-    """float64 NumPy causal GQA of one document (the reference of the document mask)."""
-    b, l, h, d = q_BxLxHxK.shape
-    group = h // k_BxLxGxK.shape[2]
-    k_BxLxHxK = np.repeat(k_BxLxGxK, group, axis=2)
-    v_BxLxHxK = np.repeat(v_BxLxGxK, group, axis=2)
-    scores = np.einsum("blhk,bshk->bhls", q_BxLxHxK, k_BxLxHxK) / np.sqrt(d)
-    scores = np.where(np.tril(np.ones((l, l), bool)), scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bhls,bshk->blhk", probs, v_BxLxHxK)
+    """float64 NumPy causal GQA of one document (the reference of the document mask): the
+    multi-head reference of test_model with each kv head repeated for its query heads."""
+    group = q_BxLxHxK.shape[2] // k_BxLxGxK.shape[2]
+    return attention_reference(
+        q_BxLxHxK, np.repeat(k_BxLxGxK, group, axis=2), np.repeat(v_BxLxGxK, group, axis=2)
+    )
 
 
 def test_document_positions_restart_at_each_document():
