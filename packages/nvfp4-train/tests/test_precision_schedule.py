@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -166,6 +167,24 @@ def test_the_switch_is_announced_once(schedule_runs):
     )
     assert out.count("forward GEMMs") == 1 and line in out
     assert out.count("compiled the train step") == 2
+
+
+def test_explicit_rule_trains_bit_identically_to_bf16_forward_from(
+    schedule_runs, tiny_config, tmp_path
+):
+    rule = {"gemms": ["fprop"], "from": SWITCH, "recipe": "bf16"}
+    explicit = _run(tiny_config, tmp_path / "explicit", f"precision.schedule={json.dumps([rule])}")
+    assert f"step {SWITCH}: precision phase 2 of 2, completed steps [{SWITCH}, end), starts:" in (
+        explicit
+    )
+    assert train_losses(tmp_path / "explicit") == train_losses(schedule_runs.switched)
+    assert val_losses(tmp_path / "explicit") == val_losses(schedule_runs.switched)
+    for step in (SWITCH, STEPS):
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            saved_params(tmp_path / "explicit", step),
+            saved_params(schedule_runs.switched, step),
+        )
 
 
 @pytest.mark.parametrize("stop", [2, 4])
