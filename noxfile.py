@@ -37,9 +37,11 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 LOCAL_WHEELS = "/opt/wheels"
 
 
-PARALLEL = ("--numprocesses=auto", "--maxprocesses=4", "--dist=loadfile")
+PARALLEL = ("--numprocesses=auto", "--maxprocesses=4", "--dist=loadfile", "--no-loadscope-reorder")
 """pytest-xdist: one worker per core (CI's machine has 2), at most 4; each test file runs whole
-on one worker, so module-scoped fixtures (compiled steps, trained runs) are built once."""
+on one worker, so module-scoped fixtures (compiled steps, trained runs) are built once. Files are
+handed out in collection order (not xdist's most-tests-first), which the test directories'
+conftest.py puts longest first (`LONGEST_FIRST`), so that no long file starts last."""
 
 
 def _pytest(session: nox.Session, *paths: str, parallel: bool = True, dist: str = "") -> None:
@@ -93,9 +95,16 @@ def format(session: nox.Session) -> None:  # noqa: A001 - the package is called 
 
 @nox.session
 def format_jax(session: nox.Session) -> None:
-    """nvfp4-format with JAX installed: the same tests plus the jit legs."""
+    """nvfp4-format with JAX installed: the test files with JAX legs (jit and vmap byte parity
+    with NumPy, the import cost). The NumPy-only files ran in `format` and are not run again:
+    nothing in them changes with JAX installed (the array namespace is taken from the inputs,
+    and the parity tests run the NumPy path in this JAX process beside the JAX one)."""
     session.install(f"{FORMAT}[test,jax]")
-    _pytest(session, "packages/nvfp4-format/tests")
+    _pytest(session, *(f"packages/nvfp4-format/tests/{name}" for name in FORMAT_JAX_TESTS))
+
+
+FORMAT_JAX_TESTS = ("test_jax_parity.py", "test_outer_scale.py", "test_import_cost.py")
+"""nvfp4-format's test files that import JAX (the others pass NumPy arrays only)."""
 
 
 @nox.session
@@ -143,8 +152,9 @@ def train(session: nox.Session) -> None:
     _pytest(session, "packages/nvfp4-train/tests")
     # test_step.py trains 2-block models with every recipe, accumulation, loss scaling and
     # skipped steps: once more with every such model scanned (`model.scan_layers: auto` from 2
-    # blocks on). Not re-run: test_telemetry.py (test_scan.py compares the probe rows, which are
-    # the captured operands' statistics, and the amax of both layouts) and
+    # blocks on), less what test_scan.py shows scanned already (test_step.SCANNED_ELSEWHERE, each
+    # skip saying where). Not re-run: test_telemetry.py (test_scan.py compares the probe rows,
+    # which are the captured operands' statistics, and the amax of both layouts) and
     # test_precision_schedule.py (its runs have 1 block, which never scans; test_scan.py runs the
     # late BF16 forward on a stacked state).
     _pytest(session, "--scan-layers-from=2", "packages/nvfp4-train/tests/test_step.py", dist="load")
@@ -202,8 +212,14 @@ def jax_floor(session: nox.Session) -> None:
         session.error(f"nvfp4-train's jax floor {train} differs from nvfp4-ops's {ops}")
     session.install(FORMAT, f"{OPS}[test]", f"{TRAIN}[test]", f"jax=={ops}", f"jaxlib=={ops}")
     ops_tests = ("test_forward.py", "test_backend_selection.py", "test_verify.py")
-    _pytest(session, *(f"packages/nvfp4-ops/tests/{name}" for name in ops_tests))
-    _pytest(session, "packages/nvfp4-train/tests/test_model.py")
+    # one process pair for both packages, spread test by test (test_model.py alone would hold
+    # one worker for its whole 45 s); these files share no helper module names
+    _pytest(
+        session,
+        *(f"packages/nvfp4-ops/tests/{name}" for name in ops_tests),
+        "packages/nvfp4-train/tests/test_model.py",
+        dist="load",
+    )
 
 
 QUICK = {

@@ -35,6 +35,23 @@ def _scan_layers_from(request):
         yield
 
 
+LONGEST_FIRST = (
+    "test_scan.py", "test_step.py", "test_telemetry.py", "test_backend_check.py",
+    "test_schedule.py", "test_safety.py", "test_distributed.py", "test_resume.py",
+    "test_precision_schedule.py", "test_attention.py", "test_sharding.py",
+    "test_run_telemetry.py", "test_cli.py", "test_model.py",
+)  # fmt: skip
+"""The test files that take longest (tens of seconds to minutes of compiling), longest first;
+the others follow in their own order (see `pytest_collection_modifyitems`)."""
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first: pytest-xdist hands out whole files in collection order (noxfile's
+    `--no-loadscope-reorder`), and a long file that starts last leaves the other workers idle."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
+
+
 RUN_STEPS = 8
 RUN_SECTIONS = {
     "train": {"log_every": 1, "eval_every": 4},
