@@ -5,17 +5,21 @@ A row failing means a bad input became a traceback, a silent wrong result or a d
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "nvfp4-export" / "tests"))
-from conftest import write_run  # noqa: E402  (the export tests' fake-run writer)
+# the export tests' fake-run writer, loaded by path: this directory has a conftest of its own
+_EXPORT_CONFTEST = Path(__file__).resolve().parents[1] / "packages/nvfp4-export/tests/conftest.py"
+_spec = importlib.util.spec_from_file_location("nvfp4_export_tests_conftest", _EXPORT_CONFTEST)
+_export_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_export_conftest)
+write_run = _export_conftest.write_run
 
 import nvfp4_format as nf  # noqa: E402
 import nvfp4_ops  # noqa: E402
