@@ -37,8 +37,9 @@ def sequence_ids(batches):
 def assert_same_batches(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x["inputs"], y["inputs"])
-        np.testing.assert_array_equal(x["targets"], y["targets"])
+        assert set(x) == set(y)
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
 
 
 def test_batches_are_int32_and_shifted(tmp_path):
@@ -247,3 +248,104 @@ def test_worker_processes_give_the_same_batches(tmp_path):
     cfg_workers = arange_config(tmp_path, num_workers=1)
     iterator = make_datasets(cfg_workers, seq_len=SEQ_LEN, batch_size=4, seed=2).train_iterator()
     assert_same_batches(take(iterator, 6), in_process)
+
+
+def walked_documents(row, eos_id):
+    """The documents of a row, walked token by token: (segment ids, positions)."""
+    segment, position, segments, positions = 0, 0, [], []
+    for token in row.tolist():
+        segments.append(segment)
+        positions.append(position)
+        position += 1
+        if token == eos_id:  # the separator ends its document; the next token starts one
+            segment, position = segment + 1, 0
+    return segments, positions
+
+
+def documents_config(tmp_path, **kwargs) -> DataConfig:
+    """Text documents of 1 to 20 bytes (byte tokens, eos 256): several documents per row."""
+    corpus = tmp_path / "documents"
+    if not corpus.exists():
+        corpus.mkdir()
+        rng = np.random.default_rng(0)
+        for i in range(300):
+            (corpus / f"{i:03d}.txt").write_text("x" * int(rng.integers(1, 21)), encoding="utf-8")
+    return DataConfig(
+        source="text", path=str(corpus), validation_fraction=0.1, validation_batches=1, **kwargs
+    )
+
+
+def test_text_batches_carry_their_documents_and_resume_with_them(tmp_path):
+    datasets = make_datasets(documents_config(tmp_path), seq_len=32, batch_size=4, seed=0)
+    assert datasets.documents == "data: document masks at separator id 256 (data.document_mask)"
+    iterator = datasets.train_iterator()
+    batches = take(iterator, 3)
+    for batch in [*batches, *datasets.validation_batches()]:
+        assert set(batch) == {"inputs", "targets", "segment_ids", "positions"}
+        for row, segment_ids, positions in zip(
+            batch["inputs"], batch["segment_ids"], batch["positions"], strict=True
+        ):
+            assert segment_ids.dtype == positions.dtype == np.int32
+            assert (segment_ids.tolist(), positions.tolist()) == walked_documents(row, 256)
+    assert max(int(b["segment_ids"].max()) for b in batches) >= 3  # rows really hold several
+    state = iterator.get_state()
+    expected = take(iterator, 2)
+    fresh = make_datasets(documents_config(tmp_path), seq_len=32, batch_size=4, seed=0)
+    resumed = fresh.train_iterator()
+    resumed.set_state(state)
+    assert_same_batches(take(resumed, 2), expected)
+
+
+def test_document_mask_off_gives_the_same_tokens_without_documents(tmp_path):
+    on = make_datasets(documents_config(tmp_path), seq_len=32, batch_size=4, seed=0)
+    off = make_datasets(
+        documents_config(tmp_path, document_mask=False), seq_len=32, batch_size=4, seed=0
+    )
+    assert off.documents == "data: no document masks (data.document_mask=false)"
+    with_documents, without = next(on.train_iterator()), next(off.train_iterator())
+    assert set(without) == {"inputs", "targets"}
+    assert_same_batches([{k: with_documents[k] for k in without}], [without])
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        (
+            {"source": "synthetic", "synthetic_tokens": 2000},
+            "the synthetic stream has no documents",
+        ),
+        ("arange", "a tokens corpus without data.tokenizer_path has no separator id"),
+        ("no eos", "data.eos_token is '', so documents are joined without a separator"),
+    ],
+)
+def test_corpora_without_separators_say_so_and_refuse_a_required_mask(tmp_path, source, why):
+    def config(mask):
+        if source == "arange":
+            return arange_config(tmp_path, document_mask=mask)
+        if source == "no eos":
+            return documents_config(tmp_path, eos_token="", document_mask=mask)
+        return DataConfig(**source, validation_batches=1, document_mask=mask)
+
+    datasets = make_datasets(config("auto"), seq_len=SEQ_LEN, batch_size=2, seed=0)
+    assert (
+        datasets.documents == f"data: no document masks ({why}): every row attends as one document"
+    )
+    assert set(next(datasets.train_iterator())) == {"inputs", "targets"}
+    message = rf"^data\.document_mask=true needs document separators, but {why}; set data\."
+    with pytest.raises(ValueError, match=message):
+        make_datasets(config(True), seq_len=SEQ_LEN, batch_size=2, seed=0)
+
+
+def test_document_mask_values_and_old_saved_configs():
+    from nvfp4_train.config import ConfigError, config_from_dict, upgraded
+    from nvfp4_train.config_loader import to_dict
+
+    assert config_from_dict({}).data.document_mask == "auto"
+    assert config_from_dict({"data": {"document_mask": False}}).data.document_mask is False
+    with pytest.raises(ConfigError, match=r"^data\.document_mask: expected bool or one of 'auto'"):
+        config_from_dict({"data": {"document_mask": "yes"}})
+    with pytest.raises(TypeError, match=r"data\.document_mask must be true, false or 'auto'"):
+        DataConfig(document_mask="yes")
+    saved = to_dict(config_from_dict({}))
+    del saved["data"]["document_mask"]  # written before the key: trained across documents
+    assert config_from_dict(upgraded(saved)).data.document_mask is False

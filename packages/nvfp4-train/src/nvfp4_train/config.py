@@ -180,7 +180,7 @@ MOVED_KEYS = {
 new key (`config_from_dict`); a run directory's saved config is moved (`upgraded`)."""
 
 
-ADDED_KEYS = {"model.attention": "naive"}
+ADDED_KEYS = {"model.attention": "naive", "data.document_mask": False}
 """Keys earlier versions did not have -> the value that computes as they did. A saved config
 without one gets it (`upgraded`): an old run resumes and evaluates as it trained (a new config
 without the key takes the field's default)."""

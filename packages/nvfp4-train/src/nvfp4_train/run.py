@@ -179,6 +179,7 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
             f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
         )
         say(_memory_line(mesh, state))
+        say(datasets.documents)
         if start >= cfg.train.steps:
             say(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do")
             return RunSummary(run_dir, start, start, None, None)

@@ -2,7 +2,8 @@
 
 `make_datasets(DataConfig(...), seq_len=..., batch_size=..., seed=...)` returns `Datasets` with
 `vocab_size`, `tokenizer`, `train_iterator()` (infinite, shuffled, resumable grain iterator) and
-`validation_batches()` (fixed). Batches are `{"inputs": int32[B, L], "targets": int32[B, L]}`.
+`validation_batches()` (fixed). Batches are `{"inputs": int32[B, L], "targets": int32[B, L]}`,
+plus `segment_ids` and `positions` (int32[B, L]) when documents are masked (`data.document_mask`).
 See docs/data.md for the `data:` config section.
 """
 

@@ -35,6 +35,10 @@ def _check_types(cfg: "DataConfig") -> None:
     expected = {str: (str,), int: (int,), float: (int, float), bool: (bool,)}
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
+        if field.name == "document_mask":
+            if not (isinstance(value, bool) or value == "auto"):
+                raise TypeError(f"data.document_mask must be true, false or 'auto', got {value!r}")
+            continue
         base = field.type if field.type in expected else str  # Literal[...] fields hold strings
         ok = isinstance(value, expected[base]) and (base is bool or not isinstance(value, bool))
         if not ok:
@@ -73,6 +77,12 @@ class DataConfig:
             if the held-out split is smaller).
         shuffle: shuffle training sequences (reshuffled every epoch, deterministic in the seed).
         num_workers: grain worker processes for the training iterator (0: in-process).
+        document_mask: each token attends only to earlier tokens of its own document, and RoPE
+            positions restart at 0 in every document: batches carry `segment_ids` and
+            `positions` cut at the `eos_token` separators (the separator ends its document).
+            "auto" masks when the corpus has separators (text with an `eos_token`, tokens with a
+            `tokenizer_path` that has one) and says so at start-up when it has none (synthetic,
+            tokens without a tokenizer); true requires separators (an error without them).
     """
 
     source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
@@ -90,6 +100,7 @@ class DataConfig:
     validation_batches: int = 8
     shuffle: bool = True
     num_workers: int = 0
+    document_mask: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -9,10 +9,18 @@ is dropped.
 The validation split is taken from the END of the corpus, before any shuffling, so the training and
 validation sequences come from disjoint token (or text) ranges.
 
+With a document separator (`eos_id`), every sequence also carries its documents: `segment_ids`
+(0 for the document the sequence starts in, +1 after every separator: a separator belongs to the
+document it ends) and `positions` (each token's index within its document, counted from the
+sequence start for the first one), so that attention stays within a document and RoPE restarts.
+Both are a function of the sequence's own tokens, so a resumed iterator yields them exactly.
+
 Example:
     >>> source = PackedSequences(np.arange(10, dtype=np.uint16), 0, 10, seq_len=4, vocab_size=10)
     >>> len(source), source[1]["inputs"].tolist(), source[1]["targets"].tolist()
     (2, [4, 5, 6, 7], [5, 6, 7, 8])
+    >>> [a.tolist() for a in document_fields(np.array([7, 7, 0, 7, 0, 0, 7]), eos_id=0)]
+    [[0, 0, 0, 1, 1, 2, 3], [0, 1, 2, 0, 1, 0, 0]]
 """
 
 import hashlib
@@ -72,6 +80,16 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str) -> None:
             )
 
 
+def document_fields(inputs_L: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment ids, positions), int32 [L], of a packed row whose documents end with `eos_id`."""
+    ends_L = inputs_L == eos_id
+    segment_ids_L = (np.cumsum(ends_L) - ends_L).astype(np.int32)
+    index_L = np.arange(inputs_L.size, dtype=np.int32)
+    starts_L = np.concatenate([[True], segment_ids_L[1:] != segment_ids_L[:-1]])
+    positions_L = index_L - np.maximum.accumulate(np.where(starts_L, index_L, 0))
+    return segment_ids_L, positions_L.astype(np.int32)
+
+
 def _fingerprint(tokens: np.ndarray, start: int, stop: int) -> str:
     """A short content hash of the range's first and last 4096 tokens (for checkpoint checks)."""
     digest = hashlib.blake2b(digest_size=8)
@@ -84,25 +102,38 @@ class PackedSequences:
     """A grain `RandomAccessDataSource` of packed sequences over `tokens[start:stop]`.
 
     Item i is `{"inputs": int32[seq_len], "targets": int32[seq_len]}`, targets being the inputs
-    shifted by one. Ids are checked against `vocab_size` as they are read, so a bad id in a
+    shifted by one, plus `segment_ids` and `positions` (int32[seq_len], `document_fields`) when
+    `eos_id` (the document separator) is given. Ids are checked against `vocab_size` as they are read, so a bad id in a
     corpus too large to scan up front still fails loudly. A memory-mapped `tokens` is pickled
     (for grain worker processes) as its file name, not its contents.
     """
 
     def __init__(
-        self, tokens: np.ndarray, start: int, stop: int, *, seq_len: int, vocab_size: int
+        self,
+        tokens: np.ndarray,
+        start: int,
+        stop: int,
+        *,
+        seq_len: int,
+        vocab_size: int,
+        eos_id: int | None = None,
     ) -> None:
         if not 0 <= start <= stop <= tokens.size:
             raise ValueError(f"need 0 <= start <= stop <= {tokens.size}, got {start}, {stop}")
         self._tokens = tokens
         self._start, self._stop = start, stop
-        self._seq_len, self._vocab_size = seq_len, vocab_size
+        self._seq_len, self._vocab_size, self._eos_id = seq_len, vocab_size, eos_id
         self._length = max(0, (stop - start - 1) // seq_len)
         self._fingerprint = _fingerprint(tokens, start, stop)
 
     @property
     def seq_len(self) -> int:
         return self._seq_len
+
+    @property
+    def eos_id(self) -> int | None:
+        """The separator that `segment_ids` cut at, or None (items carry no documents)."""
+        return self._eos_id
 
     @property
     def num_tokens(self) -> int:
@@ -119,10 +150,14 @@ class PackedSequences:
         if window.min() < 0 or window.max() >= self._vocab_size:
             check_token_ids(window, self._vocab_size, f"the corpus (tokens {begin}..)")
         window = window.astype(np.int32)
-        return {"inputs": window[:-1], "targets": window[1:]}
+        item = {"inputs": window[:-1], "targets": window[1:]}
+        if self._eos_id is not None:
+            item["segment_ids"], item["positions"] = document_fields(item["inputs"], self._eos_id)
+        return item
 
     def __repr__(self) -> str:
-        # grain compares repr(source) when restoring an iterator state: describe the content.
+        # grain compares repr(source) when restoring an iterator state: describe the content
+        # (the order of the sequences, which masking documents or not does not change).
         return (
             f"PackedSequences(tokens={self._stop - self._start}, seq_len={self._seq_len}, "
             f"vocab_size={self._vocab_size}, fingerprint={self._fingerprint})"

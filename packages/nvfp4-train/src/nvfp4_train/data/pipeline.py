@@ -47,10 +47,41 @@ def _check_arguments(seq_len: int, batch_size: int, seed: int, index: int, count
         raise DataError(f"seed must be in [0, 2**32) for grain's shuffle, got {seed}")
 
 
-def _sequences(tokens: TokenRange, seq_len: int, vocab_size: int) -> PackedSequences:
+def _sequences(
+    tokens: TokenRange, seq_len: int, vocab_size: int, eos_id: int | None
+) -> PackedSequences:
     return PackedSequences(
-        tokens.array, tokens.start, tokens.stop, seq_len=seq_len, vocab_size=vocab_size
-    )
+        tokens.array, tokens.start, tokens.stop, seq_len=seq_len, vocab_size=vocab_size,
+        eos_id=eos_id,
+    )  # fmt: skip
+
+
+def _no_separator(cfg: DataConfig) -> str:
+    """Why a corpus whose tokenizer has no eos id carries no document boundaries."""
+    if cfg.source == "synthetic":
+        return "the synthetic stream has no documents"
+    if cfg.source == "tokens" and not cfg.tokenizer_path:
+        return "a tokens corpus without data.tokenizer_path has no separator id"
+    return "data.eos_token is '', so documents are joined without a separator"
+
+
+def document_separator(cfg: DataConfig, eos_id: int | None) -> tuple[int | None, str]:
+    """(the id that batches' `segment_ids` cut at, or None; the start-up line that says so).
+
+    Raises:
+        DataError: `data.document_mask: true` on a corpus without a separator.
+    """
+    if cfg.document_mask is False:
+        return None, "data: no document masks (data.document_mask=false)"
+    if eos_id is None:
+        why = _no_separator(cfg)
+        if cfg.document_mask is True:
+            raise DataError(
+                f"data.document_mask=true needs document separators, but {why}; set "
+                "data.document_mask to false or 'auto'"
+            )
+        return None, f"data: no document masks ({why}): every row attends as one document"
+    return eos_id, f"data: document masks at separator id {eos_id} (data.document_mask)"
 
 
 def _allow_unparsed_absl_flags() -> None:
@@ -80,6 +111,7 @@ class Datasets:
         batch_size: rows per batch on this process (the global batch / process_count).
         seed, process_index, process_count, shuffle, num_workers: as passed / configured.
         num_validation_batches: how many batches `validation_batches()` returns.
+        documents: the start-up line saying whether batches carry document masks and why.
     """
 
     vocab_size: int
@@ -93,6 +125,7 @@ class Datasets:
     shuffle: bool
     num_workers: int
     num_validation_batches: int
+    documents: str
 
     def train_loader(self) -> grain.DataLoader:
         """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
@@ -184,8 +217,9 @@ def make_datasets(
     """
     _check_arguments(seq_len, batch_size, seed, process_index, process_count)
     corpus = load_corpus(cfg)
-    train = _sequences(corpus.train, seq_len, corpus.vocab_size)
-    validation = _sequences(corpus.validation, seq_len, corpus.vocab_size)
+    eos_id, documents = document_separator(cfg, corpus.tokenizer.eos_id)
+    train = _sequences(corpus.train, seq_len, corpus.vocab_size, eos_id)
+    validation = _sequences(corpus.validation, seq_len, corpus.vocab_size, eos_id)
     rows = batch_size // process_count
     if len(train) // process_count < rows:
         fix = "use more text, or lower train.batch_size or train.seq_len"
@@ -204,4 +238,5 @@ def make_datasets(
         num_validation_batches=_validation_batch_count(
             cfg, validation, seq_len, rows, process_count
         ),
+        documents=documents,
     )
