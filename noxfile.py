@@ -228,7 +228,7 @@ QUICK = {
     "packages/nvfp4-ops/tests": ("test_recipe.py", "test_hadamard.py", "test_forward.py",
                                  "test_backend_selection.py"),
     "packages/nvfp4-train/tests": ("test_config.py", "test_policy.py", "test_optim.py",
-                                   "test_data_packing.py", "test_memory.py",
+                                   "test_data_packing.py", "test_memory.py", "test_flops.py",
                                    "test_model.py::test_gqa_attention_matches_reference_with_repeated_kv",
                                    "test_model.py::test_rope_matches_rotate_half_reference"),
     "packages/nvfp4-export/tests": ("test_formats.py", "test_dense_names.py", "test_linears.py",
@@ -264,4 +264,5 @@ def bench(session: nox.Session) -> None:
     session.run("python", "packages/nvfp4-format/benchmarks/bench_quantize.py")
     session.run("python", "packages/nvfp4-ops/benchmarks/bench_step.py")
     session.run("python", "packages/nvfp4-train/benchmarks/bench_train_step.py")
+    session.run("python", "packages/nvfp4-train/benchmarks/bench_attention.py")
     session.run("python", "packages/nvfp4-export/benchmarks/bench_export.py")

@@ -67,7 +67,9 @@ def load(name):
 def final(backend):
     rows = [json.loads(l) for l in (out / f"run-{backend}" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
-    return {"final_loss": rows[-1].get("loss"), "final_val_loss": val[-1] if val else None}
+    last = [r for r in rows if "loss" in r][-1]  # throughput of the last window (compiled)
+    return {"final_loss": last["loss"], "final_val_loss": val[-1] if val else None,
+            **{k: last.get(k) for k in ("tokens_per_s", "model_tflops_per_device", "mfu", "mfu_fp4")}}
 summary = {
     "verify": load("verify.json"),
     "backends": {b: {"ops_step": load(f"ops_step_{b}.json"), "train_step": load(f"train_step_{b}.json"),

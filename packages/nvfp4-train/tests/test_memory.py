@@ -46,10 +46,16 @@ def test_activations_shrink_with_each_remat_policy_that_keeps_less():
 
 
 def test_the_8b_config_fits_8_blackwell_gpus_as_its_comment_says():
-    estimate = estimate_memory(load_config(REPO / "examples/configs/llama3-8b-blackwell.yaml"), 8)
+    cfg = load_config(REPO / "examples/configs/llama3-8b-blackwell.yaml")
+    estimate = estimate_memory(cfg, 8)
+    assert estimate.attention == "cudnn"  # auto on NVIDIA GPUs, bfloat16, head_dim 128
     assert round(estimate.parameters / GIB, 1) == 3.7 and round(estimate.optimizer / GIB, 1) == 7.5
-    assert round(estimate.activations / GIB, 1) == 20.3 and round(estimate.transient / GIB) == 48
-    assert 80 < estimate.total / GIB < 90
+    assert (
+        round(estimate.activations / GIB, 1) == 20.3 and round(estimate.transient / GIB, 1) == 31.3
+    )
+    assert round(estimate.total / GIB) == 67
+    naive = estimate_memory(cfg, 8, "naive")
+    assert round(naive.transient / GIB) == 48 and round(naive.total / GIB) == 83
 
 
 def test_show_config_prints_the_estimate_as_yaml_comments(tmp_path, capsys):
@@ -78,3 +84,39 @@ def test_a_schedule_counts_the_phase_that_keeps_the_most():
     scheduled = estimate_memory(cfg("quantized", precision=late), 1)
     assert scheduled.activations == quantized.activations
     assert scheduled.peak_phase == "[5, end)"
+
+
+def _at_length(seq_len, remat="none"):
+    model = {**MODEL, "max_seq_len": 512, "remat": remat, "attention_block": 128}
+    return config_from_dict({"model": model, "train": {"batch_size": 2, "seq_len": seq_len}})
+
+
+def test_fused_attention_keeps_no_scores_and_grows_linearly_with_length():
+    kept = {
+        (name, length): estimate_memory(_at_length(length), 1, name)
+        for name in ("naive", "cudnn", "chunked")
+        for length in (256, 512)
+    }
+    for name in ("cudnn", "chunked"):  # per token the same at any length
+        assert kept[name, 512].activations == 2 * kept[name, 256].activations
+    assert kept["naive", 512].activations > 2.5 * kept["naive", 256].activations
+    assert kept["naive", 512].activations > 3 * kept["cudnn", 512].activations
+    heads, c = MODEL["num_heads"], 2  # bfloat16
+    logits = 2 * 2 * 512 * 256 * 4
+    assert kept["naive", 512].transient == 2 * heads * 512 * 512 * (4 + c)
+    assert kept["chunked", 512].transient == max(2 * heads * 128 * 128 * (4 + c), logits)
+    assert kept["cudnn", 512].transient == logits
+    full = {name: estimate_memory(_at_length(512, "full"), 1, name) for name in ("naive", "cudnn")}
+    assert full["naive"].activations == full["cudnn"].activations  # only the block inputs
+
+
+def test_show_config_estimates_the_gpu_attention_and_lists_the_others(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL, "train": {"batch_size": 8, "seq_len": 32}}))
+    assert main(["show-config", str(path), "--devices", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention: cudnn)" in printed  # auto on an NVIDIA GPU, bfloat16, head_dim 16
+    table = printed[printed.index("# total per device by model.attention") :].splitlines()
+    assert table[1].split() == ["#", "none", "dots", "quantized", "full"]
+    assert [row.split()[1] for row in table[2:]] == ["naive", "cudnn", "chunked"]
+    assert yaml.safe_load(printed)["model"]["attention"] == "auto"

@@ -121,12 +121,18 @@ def _show_config(args: argparse.Namespace) -> int:
     if args.memory or args.devices is not None:
         import jax
 
-        from nvfp4_train.memory import estimate_memory, format_estimate
+        from nvfp4_train.memory import (
+            estimate_memory,
+            format_attention_choices,
+            format_estimate,
+        )
 
         devices = args.devices if args.devices is not None else jax.device_count()
         if devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {devices}")
-        sys.stdout.write(format_estimate(estimate_memory(cfg, devices)))
+        estimate = estimate_memory(cfg, devices)
+        sys.stdout.write(format_estimate(estimate))
+        sys.stdout.write(format_attention_choices(estimate, cfg))
     return 0
 
 

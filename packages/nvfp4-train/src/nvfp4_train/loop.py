@@ -28,6 +28,7 @@ from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config
 from nvfp4_train.config_loader import to_dict
 from nvfp4_train.errors import RunError
+from nvfp4_train.flops import Throughput, device_peak, train_flops_per_token
 from nvfp4_train.health import make_health_tracker
 from nvfp4_train.metrics import RunOutputs, format_row, quant_row, summarize_window
 from nvfp4_train.model_config import linear_paths
@@ -132,6 +133,13 @@ class TrainingLoop:
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
         self.schedule = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
         self.paths = linear_paths(cfg.model)
+        names = {n for phase in self.schedule for gemms in phase.names.values() for n in gemms}
+        self.throughput = Throughput(
+            flops_per_token=train_flops_per_token(cfg.model, seq_len=cfg.train.seq_len),
+            devices=mesh.size,
+            peak=device_peak(jax.devices()[0].device_kind),
+            quantized=any(get_recipe(n).quantized for n in names),
+        )
         self._graphdefs = {self._key(self.spec.recipes): graphdef}
         self._phases: dict[tuple, Phase] = {}
         self._compiled: dict[tuple, Callable] = {}
@@ -290,6 +298,7 @@ class TrainingLoop:
             host, step=step, seconds=seconds, tokens=tokens,
             skipped_total=int(host[-1]["skipped_total"]),
         )  # fmt: skip
+        row |= self.throughput.fields(row["tokens_per_s"])
         if self.cfg.optimizer.loss_scaling.mode != "none":
             row["loss_scale"] = float(host[-1]["loss_scale"])
         if evaluate_now:

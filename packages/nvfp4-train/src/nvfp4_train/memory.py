@@ -8,17 +8,24 @@ Activations are an analytic estimate per token of the microbatch one device runs
     full           the block inputs:                            d*c
     quantized      + the FP4 operands of the quantized linears:  (2d + q + f) * 9/16
     dots_no_batch  + the outputs of the linears:                 (q + 2kv + 2d + 2f) * c
-    dots           + the attention matmuls' outputs:             q*c + H*L*4
+    dots           + the attention matmuls' outputs:             q*c + H*L*4   (fused: q*c + H*4)
     none           + softmax, RoPE, SwiGLU intermediates:        H*L*(4 + c) + (q + kv + 3f + 2d) * c
+                                                                 (fused: no H*L*(4 + c))
 
 per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
 L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
 of an E4M3 block scale). A BF16 block's linears keep their inputs in the compute dtype without
 remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
 `precision.schedule`) a block counts as quantized in a phase when its `mlp.down` linear's recipe
-of that phase quantizes, and the estimate is the phase that keeps the most. On top of what is saved, one block's attention scores and
-probabilities ([H, L, L] in float32 and the compute dtype per sequence: the model has no fused
-attention) or the float32 logits and their gradient, whichever is larger, exist at a time.
+of that phase quantizes, and the estimate is the phase that keeps the most.
+
+Attention (`model.attention`, resolved as on an NVIDIA GPU unless another implementation is asked
+for) decides the L-dependent terms: `naive` and `xla` materialise the scores, so the rows above
+keep H*L floats per token and one block's scores and probabilities ([H, L, L] in float32 and the
+compute dtype per sequence) exist at a time; fused attention (`cudnn`, and `chunked`, which is
+fused in JAX) keeps the float32 log-sum-exp of each row instead, and holds one [block x block]
+tile per head (`chunked`) or nothing beyond the kernel's workspace (`cudnn`). The largest
+transient is that or the float32 logits and their gradient, whichever is larger.
 XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
 `benchmarks/bench_compile.py` reports what the compiled step allocates.
 
@@ -37,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
+from nvfp4_train.attention import resolve_attention
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.policy import precision_phases
 from nvfp4_train.resume import abstract_state
@@ -45,6 +53,8 @@ from nvfp4_train.sharding import AXES, BATCH_AXES, tree_shardings
 FP4_BYTES = 9 / 16
 """Bytes per element of an NVFP4 operand: a 4-bit code and 1/16 of an 8-bit block scale."""
 GIB = 2**30
+FUSED = ("cudnn", "chunked")
+"""Implementations that never hold an [L, L] score matrix (`xla` and `naive` do)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,7 @@ class MemoryEstimate:
     sequences: int
     seq_len: int
     remat: str
+    attention: str
     peak_phase: str
     parameters: int
     optimizer: int
@@ -77,8 +88,9 @@ def _sharded_bytes(tree, params, mesh: AbstractMesh) -> int:
     )
 
 
-def _saved_per_token(cfg, quantized: bool) -> float:
-    """Bytes per token one block keeps for the backward pass under `cfg.model.remat`."""
+def _saved_per_token(cfg, quantized: bool, attention: str) -> float:
+    """Bytes per token one block keeps for the backward pass under `cfg.model.remat`, with the
+    attention implementation `attention`."""
     m = cfg.model
     c = jnp.dtype(m.compute_dtype).itemsize
     d, f, heads, length = m.d_model, m.mlp_dim, m.num_heads, cfg.train.seq_len
@@ -96,14 +108,34 @@ def _saved_per_token(cfg, quantized: bool) -> float:
     saved += (q + 2 * kv + 2 * d + 2 * f) * c
     if m.remat == "dots_no_batch":
         return saved
-    saved += q * c + heads * length * 4
+    fused = attention in FUSED
+    saved += q * c + heads * (4 if fused else length * 4)
     if m.remat == "dots":
         return saved
-    return saved + heads * length * (4 + c) + (q + kv + 3 * f + 2 * d) * c
+    probabilities = 0 if fused else heads * length * (4 + c)
+    return saved + probabilities + (q + kv + 3 * f + 2 * d) * c
 
 
-def estimate_memory(cfg, devices: int) -> MemoryEstimate:
-    """Per-device bytes of a run of `cfg` on `devices` devices (`mesh` resolved for them).
+def gpu_attention(cfg) -> str:
+    """The implementation `model.attention` stands for in a run of `cfg` on NVIDIA GPUs."""
+    m = cfg.model
+    return resolve_attention(m.attention, seq_len=cfg.train.seq_len, platform="gpu",
+                             dtype=m.compute_dtype, head_dim=m.resolved_head_dim)  # fmt: skip
+
+
+def _attention_transient(cfg, sequences: int, attention: str) -> int:
+    """Bytes of the attention intermediates one block holds at a time (see the module doc)."""
+    m, length = cfg.model, cfg.train.seq_len
+    c = jnp.dtype(m.compute_dtype).itemsize
+    if attention == "cudnn":
+        return 0
+    side = min(m.attention_block, length) if attention == "chunked" else length  # tile or [L, L]
+    return sequences * m.num_heads * side * side * (4 + c)
+
+
+def estimate_memory(cfg, devices: int, attention: str | None = None) -> MemoryEstimate:
+    """Per-device bytes of a run of `cfg` on `devices` devices (`mesh` resolved for them), with
+    the attention implementation `attention` (default: `gpu_attention(cfg)`).
 
     Raises:
         ConfigError: `model.vocab_size` is 0 (taken from the data: set it to estimate), or the
@@ -119,28 +151,45 @@ def estimate_memory(cfg, devices: int) -> MemoryEstimate:
     _, state = abstract_state(cfg)
     params = _sharded_bytes(state.params, state.params, mesh)
     optimizer = _sharded_bytes(state.opt_state, state.params, mesh)
+    attention = gpu_attention(cfg) if attention is None else attention
+    empty = MemoryEstimate(
+        devices=devices, mesh=sizes, sequences=0, seq_len=cfg.train.seq_len,
+        remat=cfg.model.remat, attention=attention, peak_phase="", parameters=params,
+        optimizer=optimizer, gradients=params, activations=0, transient=0,
+    )  # fmt: skip
+    return with_activations(empty, cfg)
+
+
+def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
+    """`estimate` (its mesh, attention and state bytes) with the activations and transient of
+    `cfg` (its batch, `model.remat` and precision phases; the model's shapes unchanged)."""
+    sizes, attention = estimate.mesh, estimate.attention
     batch_split = math.prod(sizes[a] for a in BATCH_AXES)
     micro = cfg.train.batch_size // cfg.train.grad_accum_steps
     sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
     tokens = sequences * cfg.train.seq_len
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    quantized = [[phase.recipes[f"layers.{i}.mlp.down"].quantized
+                  for i in range(cfg.model.num_layers)] for phase in phases]  # fmt: skip
     saved = {
-        phase.label: sum(
-            tokens * _saved_per_token(cfg, phase.recipes[f"layers.{i}.mlp.down"].quantized)
-            for i in range(cfg.model.num_layers)
-        )
-        for phase in phases
+        phase.label: sum(tokens * _saved_per_token(cfg, q, attention) for q in blocks)
+        for phase, blocks in zip(phases, quantized, strict=True)
     }
     peak = max(saved, key=saved.get)
-    m, c = cfg.model, jnp.dtype(cfg.model.compute_dtype).itemsize
-    attention = sequences * m.num_heads * cfg.train.seq_len**2 * (4 + c)
-    logits = 2 * tokens * m.vocab_size * 4 // sizes["tensor"]
-    return MemoryEstimate(
-        devices=devices, mesh=sizes, sequences=sequences, seq_len=cfg.train.seq_len,
-        remat=m.remat, peak_phase=peak if len(phases) > 1 else "", parameters=params,
-        optimizer=optimizer, gradients=params, activations=int(saved[peak]),
-        transient=max(attention, logits),
+    logits = 2 * tokens * cfg.model.vocab_size * 4 // sizes["tensor"]
+    return dataclasses.replace(
+        estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
+        peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
+        transient=max(_attention_transient(cfg, sequences, attention), logits),
     )  # fmt: skip
+
+
+_TRANSIENT = {
+    "naive": "one block's attention scores",
+    "xla": "one block's attention scores",
+    "cudnn": "fused attention's workspace",
+    "chunked": "one attention tile per head",
+}
 
 
 def format_estimate(estimate: MemoryEstimate) -> str:
@@ -153,12 +202,29 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         ("gradients (float32)", estimate.gradients),
         (f"activations kept for backward (remat: {estimate.remat}{phase}, estimate)",
          estimate.activations),
-        ("largest transient: one block's attention scores or the logits", estimate.transient),
+        (f"largest transient: {_TRANSIENT[estimate.attention]} or the logits", estimate.transient),
     ]  # fmt: skip
     lines = [
         f"# memory per device on {estimate.devices} devices (mesh {mesh}; "
-        f"{estimate.sequences} sequences x {estimate.seq_len} tokens per device and microbatch):"
+        f"{estimate.sequences} sequences x {estimate.seq_len} tokens per device and microbatch; "
+        f"attention: {estimate.attention}):"
     ]
     lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows]
     lines.append(f"#   {'total':<66} {estimate.total / GIB:9.2f} GiB")
+    return "\n".join(lines) + "\n"
+
+
+def format_attention_choices(estimate: MemoryEstimate, cfg) -> str:
+    """YAML comment lines: the total per device (`estimate`'s mesh and state) with each attention
+    implementation and remat policy, for choosing them (`show-config --memory`)."""
+    policies = ("none", "dots", "quantized", "full")
+    lines = ["# total per device by model.attention (rows) and model.remat (columns), GiB:"]
+    lines.append("#   " + " " * 10 + "".join(f"{p:>12}" for p in policies))
+    for attention in ("naive", "cudnn", "chunked"):
+        totals = []
+        for remat in policies:
+            variant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+            choice = dataclasses.replace(estimate, attention=attention)
+            totals.append(with_activations(choice, variant).total / GIB)
+        lines.append("#   " + f"{attention:<10}" + "".join(f"{t:12.1f}" for t in totals))
     return "\n".join(lines) + "\n"

@@ -1,10 +1,12 @@
 """Where a run's numbers go: `metrics.jsonl`, TensorBoard, and the terminal.
 
-`metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`, `grad_norm`,
-`tokens_per_s`, `step_time_s` and `skipped_steps` (cumulative); rows at evaluation steps also carry
-`val_loss`; `nvfp4-train eval` appends rows with `step`, `val_loss` and `source: "eval"`. With
-`logging.quant_stats_every`, telemetry rows `{"step", "quant": {path: {role: {stat: value}}}}`
-(see `quant_row`) sit between them; readers pick rows by the keys they need.
+`metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`,
+`grad_norm`, `tokens_per_s`, `step_time_s`, `skipped_steps` (cumulative),
+`model_tflops_per_device` and, on a device whose peak is known, `mfu` (and `mfu_fp4`; see
+`nvfp4_train.flops`); rows at evaluation steps also carry `val_loss`; `nvfp4-train eval` appends
+rows with `step`, `val_loss` and `source: "eval"`. With `logging.quant_stats_every`, telemetry
+rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`) sit between them;
+readers pick rows by the keys they need.
 
 Example:
     >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
@@ -66,6 +68,8 @@ _ROW_FIELDS = (
     ("lr", "lr", "{:.2e}"),
     ("grad_norm", "grad_norm", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("model_tflops_per_device", "TFLOP/s/dev", "{:.3g}"),
+    ("mfu", "MFU", "{:.1%}"),
     ("skipped_steps", "skipped", "{}"),
 )
 """(metrics key, label, format) of the fields `format_row` shows, in order."""
