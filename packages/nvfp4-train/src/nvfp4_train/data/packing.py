@@ -103,8 +103,8 @@ class PackedSequences:
 
     Item i is `{"inputs": int32[seq_len], "targets": int32[seq_len]}`, targets being the inputs
     shifted by one, plus `segment_ids` and `positions` (int32[seq_len], `document_fields`) when
-    `eos_id` (the document separator) is given. Ids are checked against `vocab_size` as they are read, so a bad id in a
-    corpus too large to scan up front still fails loudly. A memory-mapped `tokens` is pickled
+    `eos_id` (the document separator) is given. Ids are checked against `vocab_size` as they are
+    read, so a bad id in a corpus too large to scan up front still fails loudly. A memory-mapped `tokens` is pickled
     (for grain worker processes) as its file name, not its contents.
     """
 
@@ -129,11 +129,6 @@ class PackedSequences:
     @property
     def seq_len(self) -> int:
         return self._seq_len
-
-    @property
-    def eos_id(self) -> int | None:
-        """The separator that `segment_ids` cut at, or None (items carry no documents)."""
-        return self._eos_id
 
     @property
     def num_tokens(self) -> int:
