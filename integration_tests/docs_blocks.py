@@ -32,6 +32,7 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,8 +250,25 @@ RUNNERS = {"bash": _run_bash, "python": _run_python, "console": _run_console}
 
 
 def run_block(block: Block, cwd: Path) -> None:
-    """Runs `block` in `cwd` (its commands must succeed; see the module docstring)."""
+    """Runs `block` in `cwd` (its commands must succeed; see the module docstring), or skips
+    it with its marker's reason."""
+    if block.skip:
+        pytest.skip(f"docs-test: skip ({block.skip})")
     RUNNERS[block.kind](block, cwd)
+
+
+def scratch_fixture(prefix: str):
+    """A module-scoped fixture: a fresh directory `prefix`-N holding the stand-ins. Each test
+    module that runs blocks assigns its own (`scratch = scratch_fixture(...)`), so the modules'
+    blocks never share files and run in parallel."""
+
+    @pytest.fixture(scope="module")
+    def scratch(tmp_path_factory):
+        root = tmp_path_factory.mktemp(prefix)
+        write_stand_ins(root)
+        return root
+
+    return scratch
 
 
 RUN_DIR = re.compile(r"runs/[\w.-]+")

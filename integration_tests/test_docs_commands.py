@@ -16,24 +16,16 @@ from docs_blocks import (
     quick_start_chain,
     run_block,
     run_dirs,
+    scratch_fixture,
     shell_commands,
-    write_stand_ins,
 )
 
 CHAIN, REST = quick_start_chain(BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs")
-    write_stand_ins(root)
-    return root
+scratch = scratch_fixture("docs")
 
 
 @pytest.mark.parametrize("block", REST, ids=[b.where for b in REST])
 def test_documented_block_runs(block, scratch):
-    if block.skip:
-        pytest.skip(f"docs-test: skip ({block.skip})")
     run_block(block, scratch)
 
 

@@ -5,20 +5,12 @@ blocks run in test_docs_commands.py, in parallel with these."""
 from __future__ import annotations
 
 import pytest
-from docs_blocks import BLOCKS, quick_start_chain, run_block, write_stand_ins
+from docs_blocks import BLOCKS, quick_start_chain, run_block, scratch_fixture
 
 CHAIN, _ = quick_start_chain(BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs-quickstart")
-    write_stand_ins(root)
-    return root
+scratch = scratch_fixture("docs-quickstart")
 
 
 @pytest.mark.parametrize("block", CHAIN, ids=[b.where for b in CHAIN])
 def test_documented_block_runs(block, scratch):
-    if block.skip:
-        pytest.skip(f"docs-test: skip ({block.skip})")
     run_block(block, scratch)
