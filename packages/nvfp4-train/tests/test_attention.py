@@ -1,6 +1,7 @@
 """`model.attention`: every implementation that runs here agrees with "naive" (outputs and
 dq/dk/dv, with and without document masking), document masking equals per-document attention,
-the train step's memory grows linearly with length with "chunked", and the config key's choices and errors."""
+the train step's memory grows linearly with length with "chunked", and the config key's choices
+and errors."""
 
 from __future__ import annotations
 

@@ -133,12 +133,11 @@ class TrainingLoop:
         self.batch_sh = batch_sharding(mesh, cfg.train.batch_size)
         self.schedule = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
         self.paths = linear_paths(cfg.model)
-        names = {n for phase in self.schedule for gemms in phase.names.values() for n in gemms}
         self.throughput = Throughput(
             flops_per_token=train_flops_per_token(cfg.model, seq_len=cfg.train.seq_len),
             devices=mesh.size,
             peak=device_peak(jax.devices()[0].device_kind),
-            quantized=any(get_recipe(n).quantized for n in names),
+            quantized=any(r.quantized for p in self.schedule for r in p.recipes.values()),
         )
         self._graphdefs = {self._key(self.spec.recipes): graphdef}
         self._phases: dict[tuple, Phase] = {}
