@@ -4,9 +4,11 @@
 #   2. the ops benchmark (one dot_general and a 2-layer MLP per recipe, per backend) and the
 #      train-step benchmark (the tiny Llama, BF16 vs NVFP4) for each available backend;
 #   3. a short NVFP4 training of examples/configs/tiny.yaml on each available backend;
-#   4. with TE available on 2 or more GPUs: backend="te" on a sharded mesh against one device
+#   4. each fused attention kernel that runs here (cudnn; te with TE) against naive attention
+#      (nvfp4_train.attention_check, Llama-3-8B's heads: 32 query / 8 key-value heads of 128);
+#   5. with TE available on 2 or more GPUs: backend="te" on a sharded mesh against one device
 #      (packages/nvfp4-ops/conformance/sharded_te.py --installed);
-#   5. the GPU-only risks that remain untested elsewhere (docs/ops.md), each with what above shows it.
+#   6. the GPU-only risks that remain untested elsewhere (docs/ops.md), each with what above shows it.
 # It installs the packages into a fresh virtualenv with JAX's CUDA wheels unless NO_INSTALL=1
 # (then the current Python must already have them); WITH_TE=1 also builds TransformerEngine's JAX
 # extension as the README does (--no-build-isolation, against the jax installed here). On a
@@ -53,6 +55,21 @@ for backend in $backends; do
   nvfp4-train run examples/configs/tiny.yaml "precision.backend=$backend" "train.steps=$steps" \
     "output_dir=$out/run-$backend" logging.progress=plain | tee "$out/run_$backend.txt" || status=1
 done
+python - "$out/attention.json" <<'PY' || status=1
+import json, sys
+import jax, jax.numpy as jnp
+from nvfp4_train.attention import attention_capability
+from nvfp4_train.attention_check import verify_attention
+rows = {}
+for name in ("cudnn", "te"):
+    ok, why = attention_capability(name, platform=jax.default_backend(), dtype=jnp.bfloat16, head_dim=128)
+    report = verify_attention(name, dtype=jnp.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128) if ok else None
+    rows[name] = {"runs_here": ok, "why_not": why, "ok": report.ok if report else None,
+                  "errors": report.errors if report else None, "error": report.error if report else None}
+    print(f"attention {name}: {report.summary() if report else 'not here: ' + why}")
+open(sys.argv[1], "w").write(json.dumps(rows, indent=2) + "\n")
+sys.exit(any(r["ok"] is False for r in rows.values()))
+PY
 if [[ " $backends " == *" te "* ]] && [ "$(python -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
   (cd packages/nvfp4-ops/conformance && python sharded_te.py --installed) \
     | tee "$out/sharded_te.txt" || status=1
@@ -72,6 +89,7 @@ def final(backend):
             **{k: last.get(k) for k in ("tokens_per_s", "model_tflops_per_device", "mfu", "mfu_fp4")}}
 summary = {
     "verify": load("verify.json"),
+    "attention": load("attention.json"),
     "backends": {b: {"ops_step": load(f"ops_step_{b}.json"), "train_step": load(f"train_step_{b}.json"),
                      "tiny_run": final(b)} for b in backends},
 }

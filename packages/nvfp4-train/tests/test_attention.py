@@ -7,24 +7,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from run_steps import initial, train_step_of
 from test_model import attention_reference
 
+import nvfp4_train.attention
+import nvfp4_train.loop
+from nvfp4_train import attention_check
 from nvfp4_train.attention import (
     attention,
     attention_capability,
     document_positions,
+    documents_per_row,
     resolve_attention,
 )
+from nvfp4_train.attention_check import verify_attention
 from nvfp4_train.config import ConfigError, config_from_dict, upgraded
 from nvfp4_train.config_loader import to_dict
+from nvfp4_train.errors import RunError
 from nvfp4_train.resume import abstract_state
-from nvfp4_train.run import attention_text
+from nvfp4_train.run import attention_text, run
 from nvfp4_train.step import forward, model_graphdef, model_spec
 
 CPU_IMPLEMENTATIONS = ("chunked", "xla")
@@ -250,7 +259,94 @@ def test_ops_backend_line_names_attention_and_cudnn_off_gpu_is_one_line_error():
         ConfigError, match=r"^model\.attention='cudnn' is not available here: .*cpu"
     ):
         attention_text(cudnn, "cpu")
+    te = config_from_dict({"model": {"attention": "te"}})
+    with pytest.raises(ConfigError, match=r"^model\.attention='te' is not available here: .*cpu"):
+        attention_text(te, "cpu")
+    if importlib.util.find_spec("transformer_engine") is None:  # a GPU without TE: one line
+        with pytest.raises(ConfigError, match=r"transformer_engine\.jax\.attention does not imp"):
+            attention_text(te, "gpu")
     if PLATFORM != "gpu":
         q = jnp.ones((1, 4, 2, 16), jnp.bfloat16)
         with pytest.raises(ValueError, match=r"model\.attention='cudnn' cannot run here"):
             attention(q, q, q, implementation="cudnn")
+
+
+# ------------------------------------------------------------------ a fused kernel, checked first
+
+
+def _across_documents(q, k, v, segment_ids, implementation):
+    """A fused kernel that ignores the document mask (what the check must catch)."""
+    del segment_ids
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def _crashing(*args, **kwargs):
+    raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED in the backward")
+
+
+def test_attention_check_passes_ours_and_catches_a_wrong_or_crashing_kernel(monkeypatch):
+    shape = {"dtype": jnp.bfloat16, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
+    for name in CPU_IMPLEMENTATIONS:
+        report = verify_attention(name, **shape)
+        assert report.ok and max(report.errors.values()) < 1e-2, report.summary()
+        assert report.summary().startswith("agrees with naive attention")
+    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _across_documents)
+    report = verify_attention("xla", **shape)
+    assert not report.ok and report.summary().startswith("DISAGREES with naive attention")
+    assert report.errors["out"] > 0.1  # a mask error is O(1), not rounding
+    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _crashing)
+    report = verify_attention("xla", **shape)
+    assert not report.ok and "CUDNN_STATUS_EXECUTION_FAILED" in report.summary()
+
+
+def _checked_run_config(tmp_path, tiny_config, **precision):
+    return config_from_dict(
+        tiny_config(
+            tmp_path / "r", model={"attention": "xla"}, precision={"recipe": "bf16", **precision},
+            train={"steps": 2, "log_every": 1, "eval_every": 2},
+            checkpoint={"every_steps": 2}, logging={"tensorboard": False},
+        )
+    )  # fmt: skip
+
+
+def test_a_run_leaves_out_a_kernel_that_fails_its_check_or_stops_if_strict(
+    tmp_path, tiny_config, monkeypatch
+):
+    monkeypatch.setattr(attention_check, "CHECKED", ("xla",))  # as cudnn and te are on a GPU
+    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _across_documents)
+    with pytest.raises(RunError, match=r"attention 'xla' failed its check .*strict"):
+        run(_checked_run_config(tmp_path / "s", tiny_config, verify_backend="strict"),
+            stream=io.StringIO())  # fmt: skip
+    out = io.StringIO()
+    summary = run(_checked_run_config(tmp_path, tiny_config), stream=out)
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("attention check: xla DISAGREES with naive") for line in lines)
+    warning = "WARNING: attention 'xla' is NOT used (it failed its check); this run uses 'naive'"
+    assert any(line.startswith(warning) for line in lines)
+    assert "ops backend: model.attention=naive -> naive" in lines
+    assert summary.final_step == 2
+    saved = config_from_dict(
+        upgraded(yaml.safe_load((summary.run_dir / "config.yaml").read_text()))
+    )
+    assert saved.model.attention == "xla"  # the run directory keeps what the user asked for
+
+
+def test_te_is_bounded_by_documents_per_row_and_every_batch_is_checked(
+    tmp_path, tiny_config, monkeypatch
+):
+    assert documents_per_row(np.array([[0, 0, 1, 2], [4, 4, 4, 5]])).tolist() == [3, 2]
+    with pytest.raises(ConfigError, match=r"model\.attention_max_documents must be >= 0"):
+        config_from_dict({"model": {"attention_max_documents": -1}})
+    corpus = tmp_path / "documents"
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"{i:02d}.txt").write_text("x" * (1 + i % 7), encoding="utf-8")
+    cfg = config_from_dict(
+        tiny_config(
+            tmp_path / "r", data={"source": "text", "path": str(corpus), "validation_batches": 0}
+        )
+    )
+    monkeypatch.setattr(nvfp4_train.loop, "_document_bound", lambda cfg: 2)  # as te would be
+    with pytest.raises(RunError, match=r"^a batch row holds \d+ documents, more than model\."
+                       r"attention_max_documents=2 that attention 'te' is compiled for"):  # fmt: skip
+        run(cfg, stream=io.StringIO())

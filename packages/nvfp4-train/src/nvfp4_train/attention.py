@@ -5,10 +5,14 @@
 - "xla": `jax.nn.dot_product_attention(implementation="xla")` (also materialises the scores).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN flash attention;
   NVIDIA GPUs only, bfloat16/float16 only.
+- "te": TransformerEngine's fused attention (`nvfp4_ops.te_attention`): cuDNN flash attention
+  with documents as THD sequences (no [L, L] mask); NVIDIA GPUs with TE installed. UNTESTED ON
+  HARDWARE: `nvfp4-train run` checks it against "naive" before a run uses it
+  (`nvfp4_train.attention_check`).
 - "chunked": `nvfp4_train.chunked_attention`, pure-JAX flash attention (online softmax over
   [block x block] tiles, recomputing backward); O(L x block) memory on any device.
-- "auto": `resolve_attention`: cudnn where it runs, else chunked from `AUTO_CHUNKED_FROM`
-  tokens, else naive.
+- "auto": `resolve_attention`: te where it runs, else cudnn where it runs, else chunked from
+  `AUTO_CHUNKED_FROM` tokens, else naive.
 
 Every implementation takes optional `segment_ids` [B, L]: a query sees only keys of its own
 document (and, causally, not after itself).
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from nvfp4_ops.te_attention import te_attention, te_attention_support
 from nvfp4_train.chunked_attention import chunked_attention
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "naive", "xla", "cudnn", "chunked")
+ATTENTION_IMPLEMENTATIONS = ("auto", "naive", "xla", "cudnn", "te", "chunked")
 """The values of `model.attention`."""
 AUTO_CHUNKED_FROM = 2048
 """`model.attention: auto` uses "chunked" (where cudnn does not run) from this many tokens on."""
@@ -36,6 +42,8 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 def attention_capability(implementation: str, *, platform: str, dtype=jnp.bfloat16,
                          head_dim: int = 128) -> tuple[bool, str]:  # fmt: skip
     """(whether `implementation` runs here, why not). `platform` is `jax.default_backend()`."""
+    if implementation == "te":
+        return te_attention_support(platform=platform, dtype=dtype, head_dim=head_dim)
     if implementation != "cudnn":
         return True, ""
     if platform != "gpu":
@@ -61,9 +69,26 @@ def resolve_attention(implementation: str, *, seq_len: int, platform: str, dtype
         )
     if implementation != "auto":
         return implementation
-    if attention_capability("cudnn", platform=platform, dtype=dtype, head_dim=head_dim)[0]:
-        return "cudnn"
+    for fused in ("te", "cudnn"):
+        if attention_capability(fused, platform=platform, dtype=dtype, head_dim=head_dim)[0]:
+            return fused
+    return unfused_attention(seq_len)
+
+
+def unfused_attention(seq_len: int) -> str:
+    """What "auto" picks where no fused kernel runs (or none passed its check): chunked from
+    `AUTO_CHUNKED_FROM` tokens on, else naive."""
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "naive"
+
+
+def documents_per_row(segment_ids_BxL: np.ndarray) -> np.ndarray:
+    """int [B]: the documents of each packed row (ids rise by one at each new document).
+
+    Example:
+        >>> documents_per_row(np.array([[0, 0, 1, 2], [0, 0, 0, 0]])).tolist()
+        [3, 1]
+    """
+    return segment_ids_BxL[:, -1] - segment_ids_BxL[:, 0] + 1
 
 
 def document_positions(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -135,6 +160,7 @@ def attention(
     *,
     implementation: str = "naive",
     block: int = 512,
+    max_documents: int = 0,
 ) -> jax.Array:
     """Causal GQA with the implementation `model.attention` names ("auto" resolved here).
 
@@ -144,6 +170,8 @@ def attention(
         segment_ids_BxL: int document ids, or None (one document per row).
         implementation: one of `ATTENTION_IMPLEMENTATIONS`.
         block: "chunked": the tile size (`model.attention_block`).
+        max_documents: "te": the most documents a row holds (`model.attention_max_documents`;
+            0: one per token, always enough).
 
     Raises:
         ValueError: an unknown implementation, or one that cannot run here (one line).
@@ -159,4 +187,8 @@ def attention(
         return naive_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL)
     if name == "chunked":
         return chunked_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, block)
+    if name == "te":
+        positions = None if segment_ids_BxL is None else document_positions(segment_ids_BxL)
+        return te_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, positions,
+                            max_documents=max_documents or q_BxLxHxK.shape[1])  # fmt: skip
     return fused_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, name)

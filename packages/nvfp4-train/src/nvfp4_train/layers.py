@@ -209,6 +209,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.implementation, self.block = cfg.attention, cfg.attention_block
+        self.max_documents = cfg.attention_max_documents
 
     def __call__(
         self,
@@ -234,6 +235,7 @@ class Attention(nnx.Module):
         out_BxLxHxK = attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
             implementation=self.implementation, block=self.block,
+            max_documents=self.max_documents,
         )  # fmt: skip
         return self.o(out_BxLxHxK.reshape(b, l, nh * hd), keys[1])
 

@@ -53,7 +53,7 @@ from nvfp4_train.sharding import AXES, BATCH_AXES, tree_shardings
 FP4_BYTES = 9 / 16
 """Bytes per element of an NVFP4 operand: a 4-bit code and 1/16 of an 8-bit block scale."""
 GIB = 2**30
-FUSED = ("cudnn", "chunked")
+FUSED = ("cudnn", "te", "chunked")
 """Implementations that never hold an [L, L] score matrix (`xla` and `naive` do)."""
 
 
@@ -127,7 +127,7 @@ def _attention_transient(cfg, sequences: int, attention: str) -> int:
     """Bytes of the attention intermediates one block holds at a time (see the module doc)."""
     m, length = cfg.model, cfg.train.seq_len
     c = jnp.dtype(m.compute_dtype).itemsize
-    if attention == "cudnn":
+    if attention in ("cudnn", "te"):
         return 0
     side = min(m.attention_block, length) if attention == "chunked" else length  # tile or [L, L]
     return sequences * m.num_heads * side * side * (4 + c)
@@ -188,6 +188,7 @@ _TRANSIENT = {
     "naive": "one block's attention scores",
     "xla": "one block's attention scores",
     "cudnn": "fused attention's workspace",
+    "te": "fused attention's workspace",
     "chunked": "one attention tile per head",
 }
 

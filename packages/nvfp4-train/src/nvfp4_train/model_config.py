@@ -126,12 +126,17 @@ class ModelConfig:
         remat: Rematerialisation of each block in the backward pass: "none", "full",
             "quantized", "dots" or "dots_no_batch" (`REMAT_POLICIES`). It changes memory and
             time, never the numbers.
-        attention: how causal attention is computed ("auto", "naive", "xla", "cudnn",
-            "chunked"; `nvfp4_train.attention`). "auto": cudnn on an NVIDIA GPU (bfloat16 /
-            float16), else "chunked" from `attention.AUTO_CHUNKED_FROM` tokens, else "naive".
+        attention: how causal attention is computed ("auto", "naive", "xla", "cudnn", "te",
+            "chunked"; `nvfp4_train.attention`). "auto": on an NVIDIA GPU (bfloat16 / float16)
+            TransformerEngine's fused attention where TE is installed, else cudnn; elsewhere
+            "chunked" from `attention.AUTO_CHUNKED_FROM` tokens, else "naive". A fused kernel
+            is checked against "naive" before a run uses it (`precision.verify_backend`).
             The implementations agree to float32 rounding; a run may resume with another.
         attention_block: "chunked": the tile size along the sequence (tokens; memory grows as
             L x attention_block). Any length works (padded to a multiple of it).
+        attention_max_documents: "te": the most documents one packed row may hold (cuDNN gets
+            one sequence slot per document); 0: `train.seq_len` (always enough). Every batch is
+            checked against it; fewer slots are faster.
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -160,8 +165,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     scan_layers: bool | Literal["auto"] = "auto"
     remat: Literal["none", "full", "quantized", "dots", "dots_no_batch"] = "none"
-    attention: Literal["auto", "naive", "xla", "cudnn", "chunked"] = "auto"
+    attention: Literal["auto", "naive", "xla", "cudnn", "te", "chunked"] = "auto"
     attention_block: int = 512
+    attention_max_documents: int = 0
 
     def __post_init__(self):
         for name in (
@@ -185,6 +191,8 @@ class ModelConfig:
         _check(self.attention in ATTENTION_IMPLEMENTATIONS, "attention",
                f"one of {list(ATTENTION_IMPLEMENTATIONS)}", self.attention)  # fmt: skip
         _check(self.attention_block > 0, "attention_block", "> 0", self.attention_block)
+        _check(self.attention_max_documents >= 0, "attention_max_documents",
+               ">= 0 (0 = one per token)", self.attention_max_documents)  # fmt: skip
         _check(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
                self.architecture)  # fmt: skip
         _check_architecture(self)

@@ -24,13 +24,14 @@ from typing import Any, TextIO
 import jax
 
 from nvfp4_ops import get_recipe
-from nvfp4_train.attention import attention_capability, resolve_attention
+from nvfp4_train import attention_check
+from nvfp4_train.attention import attention_capability, resolve_attention, unfused_attention
 from nvfp4_train.backend_check import backend_line, te_context, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, config_from_dict, read_config_file, upgraded
 from nvfp4_train.config_loader import to_yaml
 from nvfp4_train.data import make_datasets
-from nvfp4_train.errors import ConfigError
+from nvfp4_train.errors import ConfigError, RunError
 from nvfp4_train.loop import RunSummary, TrainingLoop, eval_batches, evaluate
 from nvfp4_train.metrics import MetricsFile, format_row
 from nvfp4_train.policy import export_recipe_names, layer_recipes, precision_phases, run_layout
@@ -105,20 +106,62 @@ def attention_text(cfg: Config, platform: str) -> str:
         ConfigError: the configured implementation cannot run on `platform` (one line).
     """
     model = cfg.model
+    chosen = _chosen_attention(cfg, platform)
+    block = f" (attention_block={model.attention_block})" if chosen == "chunked" else ""
+    return f"model.attention={model.attention} -> {chosen}{block}"
+
+
+def _chosen_attention(cfg: Config, platform: str) -> str:
+    """The implementation `model.attention` stands for at `train.seq_len` on `platform`.
+
+    Raises:
+        ConfigError: it cannot run there (one line).
+    """
+    model = cfg.model
     shape = {"dtype": model.compute_dtype, "head_dim": model.resolved_head_dim}
     chosen = resolve_attention(model.attention, seq_len=cfg.train.seq_len, platform=platform,
                                **shape)  # fmt: skip
     ok, why = attention_capability(chosen, platform=platform, **shape)
     if not ok:
         raise ConfigError(f"model.attention={model.attention!r} is not available here: {why}")
-    block = f" (attention_block={model.attention_block})" if chosen == "chunked" else ""
-    return f"model.attention={model.attention} -> {chosen}{block}"
+    return chosen
+
+
+def _with_trusted_attention(cfg: Config, platform: str, say: Callable[[str], None]) -> Config:
+    """`cfg`, or with `model.attention` replaced by what "auto" picks without fused kernels if
+    the chosen kernel (`attention_check.CHECKED`) disagrees with "naive" here or crashes while
+    checked (`precision.verify_backend`: "warn" continues, "strict" stops, "off" skips).
+
+    Raises:
+        RunError: under "strict", the kernel failed its check.
+    """
+    chosen, mode = _chosen_attention(cfg, platform), cfg.precision.verify_backend
+    if chosen not in attention_check.CHECKED or mode == "off":
+        return cfg
+    m = cfg.model
+    report = attention_check.verify_attention(
+        chosen, dtype=m.compute_dtype, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+        head_dim=m.resolved_head_dim, max_documents=m.attention_max_documents,
+    )  # fmt: skip
+    say(f"attention check: {chosen} {report.summary()}")
+    if report.ok:
+        return cfg
+    if mode == "strict":
+        raise RunError(
+            f"attention {chosen!r} failed its check against naive attention on this machine "
+            f"({report.summary()}); precision.verify_backend=strict stops here"
+        )
+    fallback = unfused_attention(cfg.train.seq_len)
+    say(f"WARNING: attention {chosen!r} is NOT used (it failed its check); this run uses "
+        f"{fallback!r} (set model.attention to choose another)")  # fmt: skip
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=fallback))
 
 
 def _with_trusted_backend(cfg: Config, say: Callable[[str], None]) -> Config:
     """`cfg` with the backends that disagree with "emulated" here, or crash while checked, left
     out (`backend_check`); the `ops backend:` line (after the check) names them and why, and
     the attention implementation."""
+    cfg = _with_trusted_attention(cfg, jax.default_backend(), say)
     attention = attention_text(cfg, jax.default_backend())
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
     names = {n for phase in phases for gemms in phase.names.values() for n in gemms}

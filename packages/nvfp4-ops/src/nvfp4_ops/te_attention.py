@@ -1,0 +1,169 @@
+"""TransformerEngine's fused attention (cuDNN), as `nvfp4-train`'s `model.attention: te` calls it.
+
+UNTESTED ON HARDWARE. What is verified, and where:
+- every TransformerEngine name, keyword argument and enum member this module uses is checked
+  against the JAX sources of the pinned TE releases (`nox -s te_conformance`, test_te_api.py;
+  parsed, not imported: TE's JAX package needs CUDA to import);
+- on the user's machine, `nvfp4-train run` compares it with the reference attention (outputs and
+  gradients, with documents and grouped-query heads) before a run uses it
+  (`nvfp4_train.attention_check`), and leaves it out if they disagree or it crashes.
+
+Causal grouped-query attention over packed documents is TE's THD layout (q, k and v each
+[B, L, heads, head_dim], documents packed in each row) with a padding-causal mask: TE's
+`SequenceDescriptor.from_segment_ids_and_pos` takes 1-based document ids (0 is padding) and each
+token's position within its document, and cuDNN attends within a document only. Rows without
+documents are one document. `max_documents` (static) bounds the documents of any row: cuDNN
+gets one sequence slot per document, and documents beyond the bound would not be attended
+(nvfp4-train checks every batch against it on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nvfp4_ops.te_backend import TE_MIN_VERSION, _release
+
+TE_ATTENTION_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+"""What cuDNN's fused attention takes as q, k and v."""
+MAX_HEAD_DIM = 128
+"""The largest head dimension TE's fused attention runs forward and backward on every GPU."""
+
+
+def _te_attention():
+    """transformer_engine.jax.attention (fused_attn, its enums, SequenceDescriptor)."""
+    return importlib.import_module("transformer_engine.jax.attention")
+
+
+@functools.cache
+def _import_problem() -> str | None:
+    """Why transformer_engine.jax.attention does not import here (None: it does); asked once."""
+    try:
+        _te_attention()
+    except Exception as e:  # noqa: BLE001 - TE without CUDA raises more than ImportError
+        return f"transformer_engine.jax.attention does not import: {type(e).__name__}: {e}"
+    version = str(importlib.import_module("transformer_engine").__version__)
+    if _release(version) < TE_MIN_VERSION:
+        floor = ".".join(map(str, TE_MIN_VERSION))
+        return f"TransformerEngine {version} is older than {floor} (pip install 'nvfp4-ops[te]')"
+    return None
+
+
+def te_attention_support(
+    *,
+    platform: str,
+    dtype,
+    head_dim: int,
+    shape: tuple[int, int, int, int] | None = None,
+    max_documents: int = 1,
+) -> tuple[bool, str]:
+    """(whether TE's fused attention runs this attention here, why not).
+
+    Args:
+      platform: `jax.default_backend()`.
+      dtype: the dtype of q, k and v.
+      head_dim: the head dimension.
+      shape: (batch, seq_len, num_heads, num_kv_heads) to ask TE's own kernel check with
+        (`is_fused_attn_kernel_available`), or None to skip that check.
+      max_documents: the documents per row the call is compiled for.
+    """
+    if platform != "gpu":
+        return False, f"TE fused attention needs an NVIDIA GPU, this machine runs {platform!r}"
+    if np.dtype(dtype) not in TE_ATTENTION_DTYPES:
+        return False, f"TE fused attention needs bfloat16 or float16, got {np.dtype(dtype)}"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return False, (
+            f"TE fused attention needs head_dim % 8 == 0 and <= {MAX_HEAD_DIM}, got {head_dim}"
+        )
+    problem = _import_problem()
+    if problem is not None:
+        return False, problem
+    if shape is not None and not _kernel_available(np.dtype(dtype), head_dim, shape, max_documents):
+        b, l, h, g = shape
+        return False, (
+            f"TE has no fused attention kernel here for batch {b}, {l} tokens, {h} query / {g} "
+            f"key-value heads of {head_dim}, {np.dtype(dtype)}, up to {max_documents} documents "
+            "per row (THD layout, padding-causal mask; cuDNN >= 9.6 and sm_90+ for grouped heads)"
+        )
+    return True, ""
+
+
+def _kernel_available(dtype: np.dtype, head_dim: int, shape, max_documents: int) -> bool:
+    """TE's `is_fused_attn_kernel_available` for the call `te_attention` makes (training)."""
+    attn = _te_attention()
+    b, l, h, g = shape
+    check = attn.is_fused_attn_kernel_available
+    # TE 2.20 added the batch size and the document bound; 2.14 takes neither
+    newer = {"batch_size": b, "max_segments_per_seq": max_documents}
+    extra = {k: v for k, v in newer.items() if k in inspect.signature(check).parameters}
+    return bool(
+        check(
+            is_training=True, q_dtype=dtype, kv_dtype=dtype,
+            qkv_layout=attn.QKVLayout.THD_THD_THD, attn_bias_type=attn.AttnBiasType.NO_BIAS,
+            attn_mask_type=attn.AttnMaskType.PADDING_CAUSAL_MASK,
+            softmax_type=attn.AttnSoftmaxType.VANILLA_SOFTMAX, dropout_probability=0.0,
+            q_num_heads=h, kv_num_heads=g, q_max_seqlen=l, kv_max_seqlen=l,
+            head_dim_qk=head_dim, head_dim_v=head_dim, **extra,
+        )
+    )  # fmt: skip
+
+
+def te_attention(
+    q_BxLxHxK: jax.Array,
+    k_BxLxGxK: jax.Array,
+    v_BxLxGxK: jax.Array,
+    document_BxL: jax.Array | None = None,
+    position_BxL: jax.Array | None = None,
+    *,
+    max_documents: int = 1,
+) -> jax.Array:
+    """Causal GQA through TE's fused attention, attending within documents.
+
+    Args:
+      q_BxLxHxK: queries (bfloat16 or float16); H a multiple of G.
+      k_BxLxGxK, v_BxLxGxK: keys and values.
+      document_BxL: int document index of each token, 0 for a row's first document and rising
+        by one at each new one (nvfp4-train's `segment_ids`), or None (each row one document).
+      position_BxL: each token's position within its document (needed with `document_BxL`).
+      max_documents: the most documents any row holds (static; ignored without documents).
+
+    Returns:
+      [B, L, H, K] in q's dtype.
+    """
+    attn = _te_attention()
+    ids_BxL, position_BxL = te_segments(document_BxL, position_BxL, q_BxLxHxK.shape[:2])
+    descriptor = attn.SequenceDescriptor.from_segment_ids_and_pos(ids_BxL, position_BxL)
+    return attn.fused_attn(
+        (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK), None, descriptor, None,
+        attn_bias_type=attn.AttnBiasType.NO_BIAS,
+        attn_mask_type=attn.AttnMaskType.PADDING_CAUSAL_MASK,
+        qkv_layout=attn.QKVLayout.THD_THD_THD,
+        softmax_type=attn.AttnSoftmaxType.VANILLA_SOFTMAX,
+        scaling_factor=1.0 / math.sqrt(q_BxLxHxK.shape[-1]), dropout_probability=0.0,
+        is_training=True, max_segments_per_seq=1 if document_BxL is None else max_documents,
+    )  # fmt: skip
+
+
+def te_segments(
+    document_BxL: jax.Array | None, position_BxL: jax.Array | None, shape: tuple[int, int]
+) -> tuple[jax.Array, jax.Array]:
+    """(segment ids, segment positions) int32 [B, L] as TE's `SequenceDescriptor` takes them:
+    ids 1, 2, ... per document of a row (0 would be padding), positions from 0 in each.
+
+    Example:
+        >>> ids, pos = te_segments(jnp.array([[0, 0, 1, 2, 2]]), jnp.array([[0, 1, 0, 0, 1]]), (1, 5))
+        >>> ids.tolist(), pos.tolist()
+        ([[1, 1, 2, 3, 3]], [[0, 1, 0, 0, 1]])
+    """
+    b, l = shape
+    if document_BxL is None:
+        position_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        return jnp.ones((b, l), jnp.int32), position_BxL
+    ids_BxL = document_BxL - document_BxL[:, :1] + 1
+    return ids_BxL.astype(jnp.int32), position_BxL.astype(jnp.int32)
