@@ -27,7 +27,6 @@ def test_every_use_exists_in_the_release(te_root):
         "transformer_engine.jax.attention.SequenceDescriptor.from_segment_ids_and_pos",
         "transformer_engine.jax.attention.QKVLayout.THD_THD_THD",
         "transformer_engine.jax.attention.AttnMaskType.PADDING_CAUSAL_MASK",
-        "transformer_engine.jax.attention.is_fused_attn_kernel_available",
     }
     assert te_api.missing(te_root, uses) == []
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import math
 
 import jax
@@ -55,23 +54,16 @@ def _import_problem() -> str | None:
     return None
 
 
-def te_attention_support(
-    *,
-    platform: str,
-    dtype,
-    head_dim: int,
-    shape: tuple[int, int, int, int] | None = None,
-    max_documents: int = 1,
-) -> tuple[bool, str]:
-    """(whether TE's fused attention runs this attention here, why not).
+def te_attention_support(*, platform: str, dtype, head_dim: int) -> tuple[bool, str]:
+    """(whether TE's fused attention can run here, why not): an NVIDIA GPU, TE >= 2.14 importable,
+    bfloat16/float16, a head size cuDNN takes. Whether cuDNN has a kernel for a run's exact shape
+    (sequence length, grouped heads, documents) shows when it runs: `nvfp4-train run` runs it on
+    the run's heads before step 1 and leaves it out if it fails (`nvfp4_train.attention_check`).
 
     Args:
       platform: `jax.default_backend()`.
       dtype: the dtype of q, k and v.
       head_dim: the head dimension.
-      shape: (batch, seq_len, num_heads, num_kv_heads) to ask TE's own kernel check with
-        (`is_fused_attn_kernel_available`), or None to skip that check.
-      max_documents: the documents per row the call is compiled for.
     """
     if platform != "gpu":
         return False, f"TE fused attention needs an NVIDIA GPU, this machine runs {platform!r}"
@@ -82,36 +74,7 @@ def te_attention_support(
             f"TE fused attention needs head_dim % 8 == 0 and <= {MAX_HEAD_DIM}, got {head_dim}"
         )
     problem = _import_problem()
-    if problem is not None:
-        return False, problem
-    if shape is not None and not _kernel_available(np.dtype(dtype), head_dim, shape, max_documents):
-        b, l, h, g = shape
-        return False, (
-            f"TE has no fused attention kernel here for batch {b}, {l} tokens, {h} query / {g} "
-            f"key-value heads of {head_dim}, {np.dtype(dtype)}, up to {max_documents} documents "
-            "per row (THD layout, padding-causal mask; cuDNN >= 9.6 and sm_90+ for grouped heads)"
-        )
-    return True, ""
-
-
-def _kernel_available(dtype: np.dtype, head_dim: int, shape, max_documents: int) -> bool:
-    """TE's `is_fused_attn_kernel_available` for the call `te_attention` makes (training)."""
-    attn = _te_attention()
-    b, l, h, g = shape
-    check = attn.is_fused_attn_kernel_available
-    # TE 2.20 added the batch size and the document bound; 2.14 takes neither
-    newer = {"batch_size": b, "max_segments_per_seq": max_documents}
-    extra = {k: v for k, v in newer.items() if k in inspect.signature(check).parameters}
-    return bool(
-        check(
-            is_training=True, q_dtype=dtype, kv_dtype=dtype,
-            qkv_layout=attn.QKVLayout.THD_THD_THD, attn_bias_type=attn.AttnBiasType.NO_BIAS,
-            attn_mask_type=attn.AttnMaskType.PADDING_CAUSAL_MASK,
-            softmax_type=attn.AttnSoftmaxType.VANILLA_SOFTMAX, dropout_probability=0.0,
-            q_num_heads=h, kv_num_heads=g, q_max_seqlen=l, kv_max_seqlen=l,
-            head_dim_qk=head_dim, head_dim_v=head_dim, **extra,
-        )
-    )  # fmt: skip
+    return (False, problem) if problem is not None else (True, "")
 
 
 def te_attention(
