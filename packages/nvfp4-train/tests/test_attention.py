@@ -346,7 +346,7 @@ def test_te_is_bounded_by_documents_per_row_and_every_batch_is_checked(
             tmp_path / "r", data={"source": "text", "path": str(corpus), "validation_batches": 0}
         )
     )
-    monkeypatch.setattr(nvfp4_train.loop, "_document_bound", lambda cfg: 2)  # as te would be
+    monkeypatch.setattr(nvfp4_train.loop, "document_bound", lambda cfg, platform: 2)  # as te
     with pytest.raises(RunError, match=r"^a batch row holds \d+ documents, more than model\."
                        r"attention_max_documents=2 that attention 'te' is compiled for"):  # fmt: skip
         run(cfg, stream=io.StringIO())

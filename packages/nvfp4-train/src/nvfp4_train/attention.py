@@ -81,6 +81,39 @@ def unfused_attention(seq_len: int) -> str:
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "naive"
 
 
+def run_attention(cfg, platform: str) -> str:
+    """The implementation `cfg.model.attention` stands for in a run of `cfg` (at
+    `train.seq_len`, in the model's dtype and head size) on `platform`."""
+    m = cfg.model
+    return resolve_attention(m.attention, seq_len=cfg.train.seq_len, platform=platform,
+                             dtype=m.compute_dtype, head_dim=m.resolved_head_dim)  # fmt: skip
+
+
+def document_bound(cfg, platform: str) -> int | None:
+    """`model.attention_max_documents` where a run of `cfg` on `platform` must hold every batch
+    row to it (attention te with a bound below one document per token), else None."""
+    bound = cfg.model.attention_max_documents
+    bounded = run_attention(cfg, platform) == "te" and 0 < bound < cfg.train.seq_len
+    return bound if bounded else None
+
+
+def too_many_documents(segment_ids_BxL: np.ndarray, bound: int) -> str | None:
+    """Why a batch with `segment_ids_BxL` cannot run under `document_bound` `bound`, or None.
+
+    Example:
+        >>> too_many_documents(np.array([[0, 1, 2]]), 3) is None
+        True
+    """
+    most = int(documents_per_row(segment_ids_BxL).max())
+    if most <= bound:
+        return None
+    return (
+        f"a batch row holds {most} documents, more than model.attention_max_documents={bound} "
+        "that attention 'te' is compiled for (documents beyond it would not be attended); raise "
+        "it, or set it to 0 (one per token)"
+    )
+
+
 def documents_per_row(segment_ids_BxL: np.ndarray) -> np.ndarray:
     """int [B]: the documents of each packed row (ids rise by one at each new document).
 

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nvfp4_ops import Recipe, get_recipe
-from nvfp4_train.attention import documents_per_row, resolve_attention
+from nvfp4_train.attention import document_bound, too_many_documents
 from nvfp4_train.cadence import Due, due
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config
@@ -147,7 +147,7 @@ class TrainingLoop:
         self.health_state = self.health.init()
         self.val_batches = [global_batch(b, self.batch_sh) for b in eval_batches(cfg, datasets)]
         self.streak = (0, 0)  # (how many, first step) of the latest consecutive non-finite steps
-        self.max_documents = _document_bound(cfg)
+        self.max_documents = document_bound(cfg, jax.default_backend())
         self.config_dict = to_dict(cfg)
         self.recipes = forward_weight_names(self.schedule, cfg.train.steps)
         self.reference_tokens = reference_tokens(cfg, datasets)
@@ -323,14 +323,9 @@ class TrainingLoop:
         """
         host = next(iterator)
         if self.max_documents and "segment_ids" in host:
-            most = int(documents_per_row(np.asarray(host["segment_ids"])).max())
-            if most > self.max_documents:
-                raise RunError(
-                    f"a batch row holds {most} documents, more than "
-                    f"model.attention_max_documents={self.max_documents} that attention 'te' "
-                    "is compiled for (documents beyond it would not be attended); raise it, or "
-                    "set it to 0 (one per token)"
-                )
+            problem = too_many_documents(np.asarray(host["segment_ids"]), self.max_documents)
+            if problem:
+                raise RunError(problem)
         return global_batch(host, self.batch_sh)
 
     def _due(self, step: int) -> Due:
@@ -405,16 +400,6 @@ class TrainingLoop:
             run_dir, start, step, rows[-1]["loss"], val[-1] if val else None,
             stop.name or None,
         )  # fmt: skip
-
-
-def _document_bound(cfg: Config) -> int | None:
-    """`model.attention_max_documents` when the run's attention is te and it bounds anything."""
-    m = cfg.model
-    chosen = resolve_attention(m.attention, seq_len=cfg.train.seq_len,
-                               platform=jax.default_backend(), dtype=m.compute_dtype,
-                               head_dim=m.resolved_head_dim)  # fmt: skip
-    bound = m.attention_max_documents
-    return bound if chosen == "te" and 0 < bound < cfg.train.seq_len else None
 
 
 def _outputs(cfg: Config, run_dir: Path, start: int, stream: TextIO) -> RunOutputs:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from nvfp4_train.attention import resolve_attention
+from nvfp4_train.attention import run_attention
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.policy import precision_phases
 from nvfp4_train.resume import abstract_state
@@ -118,9 +118,7 @@ def _saved_per_token(cfg, quantized: bool, attention: str) -> float:
 
 def gpu_attention(cfg) -> str:
     """The implementation `model.attention` stands for in a run of `cfg` on NVIDIA GPUs."""
-    m = cfg.model
-    return resolve_attention(m.attention, seq_len=cfg.train.seq_len, platform="gpu",
-                             dtype=m.compute_dtype, head_dim=m.resolved_head_dim)  # fmt: skip
+    return run_attention(cfg, "gpu")
 
 
 def _attention_transient(cfg, sequences: int, attention: str) -> int:

@@ -25,7 +25,7 @@ import jax
 
 from nvfp4_ops import get_recipe
 from nvfp4_train import attention_check
-from nvfp4_train.attention import attention_capability, resolve_attention, unfused_attention
+from nvfp4_train.attention import attention_capability, run_attention, unfused_attention
 from nvfp4_train.backend_check import backend_line, te_context, trusted_backend
 from nvfp4_train.checkpoint import Checkpoints
 from nvfp4_train.config import Config, config_from_dict, read_config_file, upgraded
@@ -118,10 +118,9 @@ def _chosen_attention(cfg: Config, platform: str) -> str:
         ConfigError: it cannot run there (one line).
     """
     model = cfg.model
-    shape = {"dtype": model.compute_dtype, "head_dim": model.resolved_head_dim}
-    chosen = resolve_attention(model.attention, seq_len=cfg.train.seq_len, platform=platform,
-                               **shape)  # fmt: skip
-    ok, why = attention_capability(chosen, platform=platform, **shape)
+    chosen = run_attention(cfg, platform)
+    ok, why = attention_capability(chosen, platform=platform, dtype=model.compute_dtype,
+                                   head_dim=model.resolved_head_dim)  # fmt: skip
     if not ok:
         raise ConfigError(f"model.attention={model.attention!r} is not available here: {why}")
     return chosen
