@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from nvfp4_train.data import DataConfig
+from nvfp4_train.data import DataConfig, MixtureSource
 
 
 def test_defaults_are_the_builtin_byte_corpus():
@@ -21,7 +21,19 @@ def test_is_frozen():
 def test_fields_are_plain_types():
     for field in dataclasses.fields(DataConfig):
         value = getattr(DataConfig(), field.name)
-        assert type(value) in (str, int, float, bool), field.name
+        assert type(value) in (str, int, float, bool) or field.name == "mixture", field.name
+    assert DataConfig().mixture == ()
+
+
+def test_mixture_from_yaml_mappings():
+    from nvfp4_train.config_loader import build
+
+    cfg = build(
+        DataConfig, {"source": "tokens", "mixture": [{"path": "a", "weight": 3}, {"path": "b"}]}
+    )
+    assert cfg.mixture == (MixtureSource("a", 3), MixtureSource("b", 1.0))
+    with pytest.raises(ValueError, match=r"weight of 'b' must be > 0, got 0"):
+        build(DataConfig, {"source": "tokens", "mixture": [{"path": "b", "weight": 0}]})
 
 
 @pytest.mark.parametrize(
@@ -40,9 +52,10 @@ def test_fields_are_plain_types():
             r"data\.tokens_dtype must be one of 'uint16', 'uint32', got 'int8'",
         ),
         ({"source": "text"}, r"data\.path must name a file or directory for source='text'"),
+        ({"source": "tokens"}, r"data\.path \(or data\.mixture\) must name the corpus"),
         (
-            {"source": "tokens", "path": "x.npy"},
-            r"data\.tokens_vocab_size > 0 or data\.tokenizer_path",
+            {"mixture": (MixtureSource("a"),)},
+            r"data\.mixture replaces data\.path and needs source='tokens', got source='builtin'",
         ),
         ({"bpe_vocab_size": 100}, r"data\.bpe_vocab_size must be in \[257, .*got 100"),
         (

@@ -1,6 +1,7 @@
 """Corpus readers: the built-in KJV text, text files, .npy/.bin/ArrayRecord token files, synthetic."""
 
 import importlib.util
+import pickle
 import re
 
 import numpy as np
@@ -117,9 +118,11 @@ def test_array_record_documents_joined_with_eos(tmp_path):
     documents = [np.array([5, 6, 7], dtype="<u4"), np.array([8], dtype="<u4")]
     _write_array_record(tmp_path / "part-0.array_record", documents)
     tokens = token_array(str(tmp_path / "part-0.array_record"), "uint32", eos_id=1)
-    np.testing.assert_array_equal(tokens, [5, 6, 7, 1, 8, 1])
+    np.testing.assert_array_equal(tokens[:], [5, 6, 7, 1, 8, 1])
+    np.testing.assert_array_equal(tokens[2:5], [7, 1, 8])  # read lazily, across records
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(tokens))[1:], [6, 7, 1, 8, 1])
     from_dir = token_array(str(tmp_path), "uint32", eos_id=None)
-    np.testing.assert_array_equal(from_dir, [5, 6, 7, 8])
+    np.testing.assert_array_equal(from_dir[:], [5, 6, 7, 8])
 
 
 @pytest.mark.skipif(not HAS_ARRAY_RECORD, reason="array_record is not installed")

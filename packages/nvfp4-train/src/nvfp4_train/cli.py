@@ -4,6 +4,8 @@
     nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config and
         [--memory] [--devices N]                         its precision schedule (and what
                                                          one device holds)
+    nvfp4-train prepare-data INPUT ... --tokenizer T -o DIR  tokenize parquet/JSONL/text
+                                                         into token shards (resumable)
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
                                                          (default: RUN_DIR/loss.png)
@@ -30,6 +32,7 @@ from nvfp4_train.config import load_config
 from nvfp4_train.config_loader import to_yaml
 from nvfp4_train.errors import ConfigError, DataError, RunError
 from nvfp4_train.hf_config import HFConfigError
+from nvfp4_train.prepare_cli import add_parser as add_prepare_parser
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", type=int, default=None, metavar="N",
         help="devices of the run for --memory (default: the devices here)",
     )  # fmt: skip
+
+    add_prepare_parser(sub)
 
     evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
     evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
@@ -158,7 +163,19 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "show-config": _show_config, "eval": _eval, "plot": _plot}
+def _prepare_data(args: argparse.Namespace) -> int:
+    from nvfp4_train.prepare_cli import run_prepare
+
+    return run_prepare(args)
+
+
+_COMMANDS = {
+    "run": _run,
+    "show-config": _show_config,
+    "prepare-data": _prepare_data,
+    "eval": _eval,
+    "plot": _plot,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(
-            "interrupted; rerun the same command to resume from the last checkpoint",
+            "interrupted; rerun the same command to resume (a run from its last checkpoint, "
+            "prepare-data from its last shard)",
             file=sys.stderr,
         )
         return 130

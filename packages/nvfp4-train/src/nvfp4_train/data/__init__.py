@@ -8,9 +8,12 @@ See docs/data.md for the `data:` config section.
 """
 
 from nvfp4_train.data.builtin_text import kjv_chapters
-from nvfp4_train.data.config import DataConfig
+from nvfp4_train.data.config import DataConfig, MixtureSource
+from nvfp4_train.data.mixture import MixedSequences
 from nvfp4_train.data.packing import PackedSequences
 from nvfp4_train.data.pipeline import Batch, Datasets, make_datasets
+from nvfp4_train.data.prepare import prepare_corpus
+from nvfp4_train.data.prepared import open_prepared
 from nvfp4_train.data.tokenization import (
     ByteTokenizer,
     HFTokenizer,
@@ -28,11 +31,15 @@ __all__ = [
     "DataConfig",
     "Datasets",
     "HFTokenizer",
+    "MixedSequences",
+    "MixtureSource",
     "PackedSequences",
     "Tokenizer",
     "id_tokenizer",
     "kjv_chapters",
     "load_tokenizer",
     "make_datasets",
+    "open_prepared",
+    "prepare_corpus",
     "train_bpe",
 ]

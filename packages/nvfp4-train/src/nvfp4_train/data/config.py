@@ -35,6 +35,10 @@ def _check_types(cfg: "DataConfig") -> None:
     expected = {str: (str,), int: (int,), float: (int, float), bool: (bool,)}
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
+        if field.name == "mixture":
+            if not all(isinstance(m, MixtureSource) for m in value):
+                raise TypeError(f"data.mixture must be a list of {{path, weight}}, got {value!r}")
+            continue
         if field.name == "document_mask":
             if not (isinstance(value, bool) or value == "auto"):
                 raise TypeError(f"data.document_mask must be true, false or 'auto', got {value!r}")
@@ -48,6 +52,23 @@ def _check_types(cfg: "DataConfig") -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One source of `data.mixture`: a token corpus (as `data.path` of source "tokens") and its
+    weight, the share of training tokens it provides (weights are normalized)."""
+
+    path: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("data.mixture: every source needs a path")
+        if not (isinstance(self.weight, int | float) and 0 < self.weight < float("inf")):
+            raise ValueError(
+                f"data.mixture: the weight of {self.path!r} must be > 0, got {self.weight!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where training tokens come from and how they are split, tokenized and read.
 
@@ -56,8 +77,12 @@ class DataConfig:
             English, no download), "synthetic" (a learnable random token stream, for smoke tests),
             "text" (your UTF-8 text files) or "tokens" (your pre-tokenized arrays).
         path: for "text", a file or a directory searched with `text_glob` (each file is one
-            document); for "tokens", a `.npy` file, a raw `.bin` file of `tokens_dtype`, an
-            `.array_record` file, or a directory of `.array_record` shards. Unused otherwise.
+            document); for "tokens", a directory written by `nvfp4-train prepare-data`, a `.npy`
+            file, a raw `.bin` file of `tokens_dtype`, an `.array_record` file, or a directory
+            of `.array_record` shards. Unused otherwise.
+        mixture: instead of `path`, several "tokens" corpora with weights (`[{path, weight}]`):
+            each training batch holds every source's share of rows (see `data.mixture`);
+            validation mixes the held-out ends of all sources the same way.
         text_glob: file pattern under a "text" directory (`**/*.txt` to search subdirectories).
         tokenizer: "byte" (UTF-8 bytes, ids 0..255, plus `eos_token` as id 256) or "bpe" (a
             byte-level BPE trained on the training split with `bpe_vocab_size` entries). Ignored
@@ -87,6 +112,7 @@ class DataConfig:
 
     source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
     path: str = ""
+    mixture: tuple[MixtureSource, ...] = ()
     text_glob: str = "*.txt"
     tokenizer: Literal["byte", "bpe"] = "byte"
     bpe_vocab_size: int = 4096
@@ -107,13 +133,15 @@ class DataConfig:
         _one_of("source", self.source, SOURCES)
         _one_of("tokenizer", self.tokenizer, TOKENIZERS)
         _one_of("tokens_dtype", self.tokens_dtype, TOKEN_DTYPES)
-        if self.source in ("text", "tokens") and not self.path:
-            raise ValueError(f"data.path must name a file or directory for source={self.source!r}")
-        if self.source == "tokens" and self.tokens_vocab_size == 0 and not self.tokenizer_path:
+        if self.mixture and (self.source != "tokens" or self.path):
             raise ValueError(
-                "source='tokens' needs data.tokens_vocab_size > 0 or data.tokenizer_path, got "
-                "tokens_vocab_size=0 and tokenizer_path=''"
+                "data.mixture replaces data.path and needs source='tokens', got "
+                f"source={self.source!r}, path={self.path!r}"
             )
+        if self.source == "text" and not self.path:
+            raise ValueError(f"data.path must name a file or directory for source={self.source!r}")
+        if self.source == "tokens" and not (self.path or self.mixture):
+            raise ValueError("data.path (or data.mixture) must name the corpus for source='tokens'")
         if not self.text_glob:
             raise ValueError("data.text_glob must be a non-empty pattern such as '*.txt'")
         _in_range("bpe_vocab_size", self.bpe_vocab_size, 257, MAX_VOCAB_SIZE)

@@ -11,6 +11,7 @@ Example:
 """
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
@@ -22,8 +23,11 @@ from nvfp4_train.data.packing import (
     split_documents,
     split_range,
 )
+from nvfp4_train.data.prepared import PreparedCorpus, file_sha256, is_prepared, open_prepared
 from nvfp4_train.data.sources import read_documents, synthetic_stream, text_files, token_array
+from nvfp4_train.data.streams import PieceStream
 from nvfp4_train.data.tokenization import (
+    TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
     id_tokenizer,
@@ -80,21 +84,54 @@ def _split_stream(tokens: np.ndarray, fraction: float) -> tuple[TokenRange, Toke
     return TokenRange(tokens, train_start, train_stop), TokenRange(tokens, val_start, val_stop)
 
 
-def tokens_corpus(cfg: DataConfig) -> Corpus:
-    """A pre-tokenized corpus; ids are checked up front when it has at most 2**28 tokens."""
+def _prepared_tokenizer(cfg: DataConfig, path: str, prepared: PreparedCorpus) -> Tokenizer:
+    """The tokenizer of a prepared corpus, after checking the config agrees with its manifest."""
+    if cfg.eos_token != prepared.eos_token:
+        raise DataError(
+            f"data.eos_token={cfg.eos_token!r}, but {path!r} was prepared with separator "
+            f"{prepared.eos_token!r}; set data.eos_token: {prepared.eos_token!r}"
+        )
+    if cfg.tokenizer_path:
+        file = Path(cfg.tokenizer_path)
+        file = file / TOKENIZER_FILE if file.is_dir() else file
+        if not file.is_file() or file_sha256(file) != prepared.tokenizer_sha256:
+            raise DataError(
+                f"data.tokenizer_path {cfg.tokenizer_path!r} is not the tokenizer {path!r} was "
+                "prepared with (SHA-256 differs from its manifest); leave data.tokenizer_path "
+                "empty to use the corpus's own tokenizer.json"
+            )
+    return load_tokenizer(prepared.tokenizer_file, prepared.eos_token)
+
+
+def _corpus_tokens(cfg: DataConfig, path: str) -> tuple[Tokenizer, np.ndarray | PieceStream]:
+    if is_prepared(path):
+        prepared = open_prepared(path)
+        return _prepared_tokenizer(cfg, path, prepared), prepared.stream
     if cfg.tokenizer_path:
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.eos_token)
-    else:
+    elif cfg.tokens_vocab_size:
         tokenizer = id_tokenizer(cfg.tokens_vocab_size)
+    else:
+        raise DataError(
+            f"data.path {path!r} is not a prepared corpus, so source='tokens' needs "
+            "data.tokens_vocab_size > 0 or data.tokenizer_path to give the ids a vocabulary"
+        )
+    return tokenizer, token_array(path, cfg.tokens_dtype, tokenizer.eos_id)
+
+
+def tokens_corpus(cfg: DataConfig, path: str | None = None) -> Corpus:
+    """A pre-tokenized corpus (at `path`, default `cfg.path`); its ids are checked up front when
+    it has at most 2**28 tokens, else as sequences are read."""
+    path = cfg.path if path is None else path
+    tokenizer, tokens = _corpus_tokens(cfg, path)
     vocab_size = cfg.tokens_vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise DataError(
             f"data.tokens_vocab_size={vocab_size} is smaller than the vocabulary of "
             f"data.tokenizer_path ({tokenizer.vocab_size}); use 0 to take the tokenizer's"
         )
-    tokens = token_array(cfg.path, cfg.tokens_dtype, tokenizer.eos_id)
     if tokens.size <= FULL_CHECK_MAX_TOKENS:
-        check_token_ids(tokens, vocab_size, f"data.path {cfg.path!r}")
+        check_token_ids(tokens, vocab_size, f"data.path {path!r}")
     train, validation = _split_stream(tokens, cfg.validation_fraction)
     return Corpus(tokenizer, vocab_size, train, validation)
 

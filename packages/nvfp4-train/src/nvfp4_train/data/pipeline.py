@@ -23,7 +23,8 @@ import numpy as np
 from absl import flags
 
 from nvfp4_train.data.config import DataConfig
-from nvfp4_train.data.corpus import TokenRange, load_corpus
+from nvfp4_train.data.corpus import Corpus, TokenRange, load_corpus, tokens_corpus
+from nvfp4_train.data.mixture import MixedSequences
 from nvfp4_train.data.packing import PackedSequences
 from nvfp4_train.data.tokenization import Tokenizer
 from nvfp4_train.errors import DataError
@@ -106,12 +107,14 @@ class Datasets:
     Attributes:
         vocab_size: ids are in [0, vocab_size); the model's embedding must cover it.
         tokenizer: encode/decode/save (see `nvfp4_train.data.tokenization`).
-        train_sequences: the packed training sequences (all processes' shards).
-        validation_sequences: the packed held-out sequences.
+        train_sequences: the packed training sequences (all processes' shards), or, for a
+            mixture, this process's rows of the mixed stream.
+        validation_sequences: the packed (or mixed) held-out sequences.
         batch_size: rows per batch on this process (the global batch / process_count).
         seed, process_index, process_count, shuffle, num_workers: as passed / configured.
         num_validation_batches: how many batches `validation_batches()` returns.
         documents: the start-up line saying whether batches carry document masks and why.
+        mixed: `train_sequences` is a `MixedSequences` (`data.mixture`).
     """
 
     vocab_size: int
@@ -126,12 +129,14 @@ class Datasets:
     num_workers: int
     num_validation_batches: int
     documents: str
+    mixed: bool = False
 
-    def train_loader(self) -> grain.DataLoader:
-        """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
-        if self.num_workers > 0:
-            _allow_unparsed_absl_flags()
-        sampler = grain.samplers.IndexSampler(
+    def _sampler(self) -> grain.samplers.IndexSampler:
+        if self.mixed:  # `MixedSequences` already holds this process's rows, in their order
+            return grain.samplers.IndexSampler(
+                num_records=len(self.train_sequences), shuffle=False, num_epochs=None
+            )
+        return grain.samplers.IndexSampler(
             num_records=len(self.train_sequences),
             shard_options=grain.sharding.ShardOptions(
                 shard_index=self.process_index,
@@ -142,9 +147,14 @@ class Datasets:
             num_epochs=None,
             seed=self.seed,
         )
+
+    def train_loader(self) -> grain.DataLoader:
+        """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
+        if self.num_workers > 0:
+            _allow_unparsed_absl_flags()
         return grain.DataLoader(
             data_source=self.train_sequences,
-            sampler=sampler,
+            sampler=self._sampler(),
             operations=[grain.transforms.Batch(batch_size=self.batch_size, drop_remainder=True)],
             worker_count=self.num_workers,
             read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * self.batch_size),
@@ -216,11 +226,13 @@ def make_datasets(
             `ValueError`, see `nvfp4_train.errors`).
     """
     _check_arguments(seq_len, batch_size, seed, process_index, process_count)
+    rows = batch_size // process_count
+    if cfg.mixture:
+        return _mixed_datasets(cfg, seq_len, seed, rows, process_index, process_count)
     corpus = load_corpus(cfg)
     eos_id, documents = document_separator(cfg, corpus.tokenizer.eos_id)
     train = _sequences(corpus.train, seq_len, corpus.vocab_size, eos_id)
     validation = _sequences(corpus.validation, seq_len, corpus.vocab_size, eos_id)
-    rows = batch_size // process_count
     if len(train) // process_count < rows:
         fix = "use more text, or lower train.batch_size or train.seq_len"
         raise DataError(_too_short("training split", train, seq_len, batch_size, fix))
@@ -239,4 +251,67 @@ def make_datasets(
             cfg, validation, seq_len, rows, process_count
         ),
         documents=documents,
+    )
+
+
+def _mixture_corpora(cfg: DataConfig) -> list[Corpus]:
+    """The corpus of every mixture source, after checking they share one tokenizer."""
+    corpora = [tokens_corpus(cfg, source.path) for source in cfg.mixture]
+    first = corpora[0]
+    for source, corpus in zip(cfg.mixture[1:], corpora[1:], strict=True):
+        same = corpus.vocab_size == first.vocab_size and _tokenizer_text(
+            corpus.tokenizer
+        ) == _tokenizer_text(first.tokenizer)
+        if not same:
+            raise DataError(
+                f"data.mixture: {source.path!r} has another tokenizer or vocabulary than "
+                f"{cfg.mixture[0].path!r} (vocab {corpus.vocab_size} vs {first.vocab_size}); "
+                "every source of a mixture must be tokenized alike"
+            )
+    return corpora
+
+
+def _tokenizer_text(tokenizer: Tokenizer) -> str:
+    hf = getattr(tokenizer, "hf", None)
+    return hf.to_str() if hf is not None else repr(tokenizer)
+
+
+def _mixed_datasets(
+    cfg: DataConfig, seq_len: int, seed: int, rows: int, process_index: int, process_count: int
+) -> Datasets:
+    corpora = _mixture_corpora(cfg)
+    tokenizer, vocab_size = corpora[0].tokenizer, corpora[0].vocab_size
+    eos_id, documents = document_separator(cfg, tokenizer.eos_id)
+    weights = [source.weight for source in cfg.mixture]
+    trains = [_sequences(c.train, seq_len, vocab_size, eos_id) for c in corpora]
+    for source, train in zip(cfg.mixture, trains, strict=True):
+        if len(train) == 0:
+            raise DataError(
+                f"data.mixture: {source.path!r} has {train.num_tokens} training tokens, fewer "
+                f"than one sequence of seq_len+1={seq_len + 1}"
+            )
+    validations = [_sequences(c.validation, seq_len, vocab_size, eos_id) for c in corpora]
+    shares = np.asarray(weights) / sum(weights)
+    held = min(int(len(v) / share) for v, share in zip(validations, shares, strict=True))
+    train = MixedSequences(
+        trains, weights, seed=seed, shuffle=cfg.shuffle, rows=rows,
+        process_index=process_index, process_count=process_count,
+    )  # fmt: skip
+    validation = MixedSequences(validations, weights, seed=seed, shuffle=False, length=held)
+    return Datasets(
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        train_sequences=train,
+        validation_sequences=validation,
+        batch_size=rows,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+        shuffle=cfg.shuffle,
+        num_workers=cfg.num_workers,
+        num_validation_batches=_validation_batch_count(
+            cfg, validation, seq_len, rows, process_count
+        ),
+        documents=f"{documents}; mixture of {len(corpora)} sources (data.mixture)",
+        mixed=True,
     )

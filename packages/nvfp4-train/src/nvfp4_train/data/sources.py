@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nvfp4_train.data.streams import ArrayRecordStream, PieceStream
 from nvfp4_train.errors import DataError
 
 SYNTHETIC_STEPS = (1, 2, 3, 5)
@@ -110,32 +111,16 @@ def _array_record_files(root: Path) -> list[Path]:
     return files
 
 
-def _load_array_record(root: Path, dtype: str, eos_id: int | None) -> np.ndarray:
-    """Reads every record (one document: raw little-endian `dtype` ids) and joins them with eos."""
-    try:
-        from grain.python import ArrayRecordDataSource
-    except ImportError as e:  # grain without the array_record extra
-        raise DataError(f"data.path: reading ArrayRecord files needs `array_record` ({e})") from e
-    source = ArrayRecordDataSource([str(p) for p in _array_record_files(root)])
-    little = np.dtype(dtype).newbyteorder("<")
-    pieces = []
-    for index in range(len(source)):
-        record = source[index]
-        if len(record) % little.itemsize:
-            raise DataError(
-                f"data.path: ArrayRecord record {index} has {len(record)} bytes, not a multiple "
-                f"of {little.itemsize}: is data.tokens_dtype={dtype!r} right?"
-            )
-        pieces.append(np.frombuffer(record, dtype=little))
-        if eos_id is not None:
-            pieces.append(np.array([eos_id], dtype=little))
-    if not pieces:
+def _load_array_record(root: Path, dtype: str, eos_id: int | None) -> ArrayRecordStream:
+    """Every record (one document: raw little-endian `dtype` ids), `eos_id` after each, read lazily."""
+    stream = ArrayRecordStream(_array_record_files(root), dtype, eos_id)
+    if stream.size == 0:
         raise DataError(f"data.path: the ArrayRecord corpus {str(root)!r} has no records")
-    return np.concatenate(pieces)
+    return stream
 
 
-def token_array(path: str, dtype: str, eos_id: int | None) -> np.ndarray:
-    """Opens a pre-tokenized corpus as one flat id array (memory-mapped where the format allows).
+def token_array(path: str, dtype: str, eos_id: int | None) -> np.ndarray | PieceStream:
+    """Opens a pre-tokenized corpus as one flat id stream, read lazily (memory-mapped or by record).
 
     Args:
         path: a `.npy` file, a raw `.bin` file, an `.array_record` file or a directory of them.
