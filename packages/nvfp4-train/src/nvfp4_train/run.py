@@ -32,7 +32,7 @@ from nvfp4_train.config import Config, config_from_dict, read_config_file, upgra
 from nvfp4_train.config_loader import to_yaml
 from nvfp4_train.data import make_datasets
 from nvfp4_train.errors import ConfigError, RunError
-from nvfp4_train.loop import RunSummary, TrainingLoop, eval_batches, evaluate
+from nvfp4_train.loop import RunSummary, TrainingLoop
 from nvfp4_train.metrics import MetricsFile, format_row
 from nvfp4_train.policy import export_recipe_names, layer_recipes, precision_phases, run_layout
 from nvfp4_train.resume import abstract_state, restore_newest_readable, resume_or_init
@@ -54,6 +54,7 @@ from nvfp4_train.step import (
     with_vocab_size,
 )
 from nvfp4_train.stop import stop_requests
+from nvfp4_train.validation import eval_batches, evaluate
 
 
 def _datasets(cfg: Config) -> Any:
