@@ -44,6 +44,13 @@ handed out in collection order (not xdist's most-tests-first), which the test di
 conftest.py puts longest first (`LONGEST_FIRST`), so that no long file starts last."""
 
 
+def doctests(package: str) -> tuple[str, ...]:
+    """pytest arguments that also run the docstring examples of the INSTALLED `package` (by
+    import name: the sessions install packages, so collecting `src/` by path would import a
+    second copy)."""
+    return ("--doctest-modules", "--pyargs", package)
+
+
 def _pytest(session: nox.Session, *paths: str, parallel: bool = True, dist: str = "") -> None:
     """pytest on `paths` (plus the session's posargs), on `PARALLEL` workers unless not
     `parallel`; `dist` replaces the distribution mode (e.g. "load": single tests, for one file)."""
@@ -90,7 +97,7 @@ def format(session: nox.Session) -> None:  # noqa: A001 - the package is called 
     """nvfp4-format alone: NumPy and ml_dtypes only, no JAX."""
     session.install(f"{FORMAT}[test]")
     session.run("python", "-c", "import importlib.util as u; assert u.find_spec('jax') is None")
-    _pytest(session, "packages/nvfp4-format/tests", parallel=False)  # 40 s: workers cost more
+    _pytest(session, "packages/nvfp4-format/tests", *doctests("nvfp4_format"), parallel=False)
 
 
 @nox.session
@@ -111,7 +118,7 @@ FORMAT_JAX_TESTS = ("test_jax_parity.py", "test_outer_scale.py", "test_import_co
 def ops(session: nox.Session) -> None:
     """nvfp4-ops with its declared dependencies (nvfp4-format, jax)."""
     session.install(FORMAT, f"{OPS}[test]")
-    _pytest(session, "packages/nvfp4-ops/tests")
+    _pytest(session, "packages/nvfp4-ops/tests", *doctests("nvfp4_ops"))
 
 
 @nox.session
@@ -149,7 +156,7 @@ def te_conformance(session: nox.Session) -> None:
 def train(session: nox.Session) -> None:
     """nvfp4-train with its declared dependencies."""
     session.install(FORMAT, OPS, f"{TRAIN}[test]")
-    _pytest(session, "packages/nvfp4-train/tests")
+    _pytest(session, "packages/nvfp4-train/tests", *doctests("nvfp4_train"))
     # test_step.py trains 2-block models with every recipe, accumulation, loss scaling and
     # skipped steps: once more with every such model scanned (`model.scan_layers: auto` from 2
     # blocks on), less what test_scan.py shows scanned already (test_step.SCANNED_ELSEWHERE, each
@@ -164,7 +171,7 @@ def train(session: nox.Session) -> None:
 def export(session: nox.Session) -> None:
     """nvfp4-export with its declared dependencies (never nvfp4-train or nvfp4-ops)."""
     session.install(FORMAT, f"{EXPORT}[test]")
-    _pytest(session, "packages/nvfp4-export/tests")
+    _pytest(session, "packages/nvfp4-export/tests", *doctests("nvfp4_export"))
 
 
 def _install_cpu_torch(session: nox.Session) -> None:

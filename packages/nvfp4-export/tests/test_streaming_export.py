@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -22,6 +23,7 @@ from conftest import SMALL_MODEL, model_config, write_run
 
 from nvfp4_export import export_hf
 from nvfp4_export.bfloat16 import bfloat16_values_transposed, to_bfloat16, transposed
+from nvfp4_export.params_reader import CheckpointParams
 from nvfp4_export.shard_writer import ShardWriter, TensorSlot
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_export_sha256.json").read_text())
@@ -96,6 +98,31 @@ def test_bfloat16_rounding_and_transpose_match_ml_dtypes():
     finite = np.where(np.isfinite(x), x, 1.0).astype(np.float32)
     got = bfloat16_values_transposed(finite)
     assert np.array_equal(got, finite.astype(ml_dtypes.bfloat16).astype(np.float32).T)
+
+
+class _CountingParams(CheckpointParams):
+    """Ten 1 KiB tensors that count how many are read and not yet handed out."""
+
+    def __init__(self) -> None:
+        self._shapes = {f"t{i}": (256,) for i in range(10)}
+        self.read, self.handed, self.most_ahead = 0, 0, 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self.read += 1
+        self.most_ahead = max(self.most_ahead, self.read - self.handed)
+        return np.full(256, int(name[1:]), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("depth", "budget", "most"), [(8, 3 * 1024, 3), (2, 1 << 20, 2), (8, 1, 1)]
+)
+def test_read_ahead_keeps_to_its_depth_and_byte_budget(depth, budget, most):
+    params = _CountingParams()
+    for k, (name, value) in enumerate(params.read_ahead(params, depth=depth, budget_bytes=budget)):
+        assert name == f"t{k}" and value[0] == k
+        time.sleep(0.005)  # the reader runs ahead as far as it may
+        params.handed += 1
+    assert params.read == 10 and 1 <= params.most_ahead <= most  # never beyond the bounds
 
 
 PEAK_SCRIPT = textwrap.dedent(

@@ -192,7 +192,8 @@ def _weight_slots(spec: LlamaSpec, shapes, planned: list[ExportedLinear], plan) 
 
 
 def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progress) -> None:
-    """Reads each checkpoint tensor once (one read ahead), converts it and writes its HF tensors."""
+    """Reads each checkpoint tensor once (a reader thread runs ahead within `read_ahead`'s byte
+    budget), converts it and writes its HF tensors."""
     dense = {t.param: t for t in dense_entries(spec)}
     kernels = {f"{path}.kernel": path for path in spec.linear_paths()}
     names = [*dense, *kernels]

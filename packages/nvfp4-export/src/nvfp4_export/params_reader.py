@@ -10,6 +10,7 @@ checkpoint has one).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -18,6 +19,11 @@ from typing import Any
 import numpy as np
 
 from nvfp4_export.errors import ExportError
+
+READ_AHEAD = 8
+"""Most tensors `CheckpointParams.read_ahead` reads ahead of the one being used."""
+READ_AHEAD_BYTES = 512 << 20
+"""Most bytes of float32 tensors read ahead (the next tensor is read whatever its size)."""
 
 
 def tree_metadata(item_dir: Path) -> Any:
@@ -128,7 +134,9 @@ class CheckpointParams(Mapping[str, np.ndarray]):
         return value
 
     def _check(self, name: str, value: np.ndarray) -> None:
-        if not np.isfinite(value).all():
+        # NaN propagates through max and min, +Inf shows in max, -Inf in min: two reductions,
+        # no temporary the size of the tensor (np.isfinite(value).all() allocates one)
+        if value.size and not (np.isfinite(value.max()) and np.isfinite(value.min())):
             raise ExportError(f"parameter {name!r} holds NaN or Inf; refusing to export it")
         if self._expected is None:
             return
@@ -139,17 +147,35 @@ class CheckpointParams(Mapping[str, np.ndarray]):
                 "export it"
             )
 
-    def read_ahead(self, names: Iterable[str], depth: int = 1) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, value) for each of `names` in order, reading up to `depth` values ahead in a
-        background thread while the caller works on the current one (at most `depth + 1` values
-        are held at once)."""
+    def read_ahead(
+        self, names: Iterable[str], depth: int = READ_AHEAD, budget_bytes: int = READ_AHEAD_BYTES
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, value) for each of `names` in order, read in a background thread while the
+        caller works on earlier values: up to `depth` values ahead, together at most
+        `budget_bytes` (but always the next one, whatever its size), so what is held is bounded
+        by `budget_bytes` (or the next tensor) plus the value in use, whatever the model's size.
+
+        Reading is the slow half of an export (zstd-decoded chunks, one tensor at a time) and
+        tensors take unequal times to read and to convert: a queue several deep keeps the
+        reader busy (the 1.1B benchmark: 17.5 s one ahead, 14.8 s two, ~10 s with this budget).
+        """
         names = list(names)
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            pending = [pool.submit(self.__getitem__, n) for n in names[:depth]]
-            for k, name in enumerate(names):
-                future = pending.pop(0) if pending else pool.submit(self.__getitem__, name)
-                value = future.result()
-                if k + depth < len(names):
-                    pending.append(pool.submit(self.__getitem__, names[k + depth]))
-                yield name, value
-                del value, future
+            pending: collections.deque = collections.deque()  # (bytes, future), in order
+            queued = held = 0
+            try:
+                for name in names:
+                    while queued < len(names) and len(pending) < depth:
+                        size = self.nbytes(names[queued])
+                        if pending and held + size > budget_bytes:
+                            break
+                        pending.append((size, pool.submit(self.__getitem__, names[queued])))
+                        held, queued = held + size, queued + 1
+                    size, future = pending.popleft()
+                    held -= size
+                    value = future.result()
+                    yield name, value
+                    del value, future
+            finally:  # stopped early (an error downstream): reads not started are dropped
+                for _, future in pending:
+                    future.cancel()

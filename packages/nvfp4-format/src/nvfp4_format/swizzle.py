@@ -24,6 +24,7 @@ def swizzle_scales(scales: Any) -> Any:
     dimensions are batch dimensions, swizzled independently.
 
     Example:
+      >>> import numpy as np
       >>> swizzle_scales(np.arange(8, dtype=np.uint8).reshape(2, 4)).shape
       (128, 4)
     """

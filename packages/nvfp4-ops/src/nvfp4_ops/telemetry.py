@@ -86,8 +86,12 @@ def operand_stats(
 
     Example:
       >>> s = operand_stats(jnp.ones((2, 16)), TensorQuant("nvfp4", (1, 16)))
-      >>> float(s["rel_error"]), float(s["saturation"])
+      >>> round(float(s["rel_error"]), 6), float(s["saturation"])
       (0.0, 0.0)
+
+    (Ones decode to exactly 1.0, yet `rel_error` can read ~2e-8 here: inside this one compiled
+    program XLA:CPU may contract `x - q * scale` into a fused multiply-add, which subtracts the
+    unrounded product. The decoded values themselves, `dequantize_operand`, are exact.)
     """
     if not isinstance(tq, TensorQuant):
         raise TypeError(f"tq must be a TensorQuant, got {type(tq).__name__}")
@@ -174,7 +178,8 @@ def gemm_operand_stats(
 
     Example:
       >>> x, w, dy = jnp.ones((4, 32)), jnp.ones((32, 16)), jnp.ones((4, 16))
-      >>> sorted(gemm_operand_stats(x, w, dy, nvfp4_ops.get_recipe("nvfp4-no-sr")))
+      >>> from nvfp4_ops import get_recipe
+      >>> sorted(gemm_operand_stats(x, w, dy, get_recipe("nvfp4-no-sr")))
       ['dgrad_dy', 'fprop_w', 'fprop_x', 'wgrad_dy', 'wgrad_x']
     """
     if not isinstance(recipe, Recipe):
