@@ -1,12 +1,16 @@
-"""Writes a synthetic Llama-3-8B-shaped training checkpoint (random float32 masters), layer by layer.
+"""Writes a synthetic Llama-3-8B-shaped training checkpoint (random float32 masters), tensor by tensor.
 
 The run directory has the layout `nvfp4-export` reads (docs/export.md, "What export reads"):
 `config.yaml` and `checkpoints/<step>/{params,config}`, the `params` item an orbax PyTree (OCDBT,
-StandardSave) like the trainer's. Each tensor is first generated into a scratch `.npy` memmap, 1024
-rows at a time (layer by layer, so the generator holds at most one row block in RAM), and the tree
-handed to orbax holds read-only memmaps of those files; the scratch directory is deleted at the end
-(peak disk: about twice the checkpoint, ~64 GB at full size). Orbax's own save buffers are not
-bounded by this script (it may copy several leaves at once while compressing them).
+StandardSave) like the trainer's. Orbax's own save of a 32 GB tree of NumPy leaves copies them
+all into memory at once (killed at 23.6 GiB on a 24 GiB machine, with or without its
+`save_concurrent_gb`), so orbax saves the tree's STRUCTURE (every leaf a 1-element stand-in)
+and the `config` item, and then the params item's arrays are replaced, one at a time, by
+TensorStore writes in orbax's own on-disk layout for NumPy leaves (an OCDBT database holding one
+zarr v2 array per leaf, keyed by the leaf's dotted path, one zstd-1 chunk per array: what
+StandardSave writes; the `_METADATA` of NumPy leaves records no shapes). Each tensor is generated
+in memory, written and dropped: the script holds about two copies of the largest tensor (the
+2.1 GB embedding), never the model. Peak disk: the checkpoint (~30 GB at full size).
 
 Full size (about 32 GB of float32; NOT for CI):
     python packages/nvfp4-export/benchmarks/make_synthetic_checkpoint.py /data/llama3-8b-synth
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,15 +47,15 @@ def leaf_shapes(model: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _fill(scratch: np.memmap, name: str, rng: np.random.Generator, rows: int = 1024) -> None:
-    """Random N(0, 0.02) weights (norm scales: ones), `rows` rows at a time."""
+def _random(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random N(0, 0.02) float32 weights (norm scales: ones), generated 1024 rows at a time."""
     if name.endswith(".scale"):
-        scratch[...] = 1.0
-        return
-    for start in range(0, scratch.shape[0], rows):
-        block = scratch[start : start + rows]
+        return np.ones(shape, np.float32)
+    out = np.empty(shape, np.float32)
+    for start in range(0, shape[0], 1024):
+        block = out[start : start + 1024]
         block[...] = rng.standard_normal(block.shape, dtype=np.float32) * np.float32(0.02)
-    scratch.flush()
+    return out
 
 
 def _nested(flat: dict[str, np.ndarray]) -> dict:
@@ -66,6 +69,28 @@ def _nested(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
+def _replace_arrays(item: Path, shapes: dict[str, tuple[int, ...]], rng) -> None:
+    """Writes every leaf of the params item as orbax's NumPy handler lays it out, one by one."""
+    import shutil
+
+    import tensorstore as ts
+
+    for stale in ("manifest.ocdbt", "d", "ocdbt.process_0"):  # the stand-ins' database
+        path = item / stale
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    kvstore = {"driver": "ocdbt", "base": f"file://{item.absolute()}/"}
+    context = ts.Context()
+    for name, shape in shapes.items():
+        value = _random(name, shape, rng)
+        metadata = {"shape": list(shape), "chunks": list(shape), "dtype": "<f4",
+                    "compressor": {"id": "zstd", "level": 1}, "order": "C",
+                    "fill_value": None, "filters": None, "dimension_separator": "."}  # fmt: skip
+        spec = {"driver": "zarr", "kvstore": {**kvstore, "path": f"{name}/"}, "metadata": metadata}
+        array = ts.open(spec, create=True, context=context).result()
+        array.write(value).result()
+        del value, array
+
+
 def write_checkpoint(run_dir: Path, model: dict, step: int = 1, seed: int = 0) -> int:
     """Writes `run_dir` (config.yaml, checkpoints/<step>/{params, config}); returns the number of
     parameters."""
@@ -75,23 +100,17 @@ def write_checkpoint(run_dir: Path, model: dict, step: int = 1, seed: int = 0) -
     config = {"model": model, "precision": {"recipe": "nvfp4"}, "output_dir": str(run_dir)}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
-    rng = np.random.default_rng(seed)
     shapes = leaf_shapes(model)
-    with tempfile.TemporaryDirectory(dir=run_dir) as scratch_dir:
-        flat = {}
-        for name, shape in shapes.items():
-            mm = np.lib.format.open_memmap(
-                Path(scratch_dir) / f"{name}.npy", mode="w+", dtype=np.float32, shape=shape
-            )
-            _fill(mm, name, rng)
-            flat[name] = np.load(Path(scratch_dir) / f"{name}.npy", mmap_mode="r")
-            del mm
-        options = ocp.CheckpointManagerOptions(create=True)
-        with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as mgr:
-            items = {"params": ocp.args.StandardSave(_nested(flat)),
-                     "config": ocp.args.JsonSave(config)}  # fmt: skip
-            mgr.save(step, args=ocp.args.Composite(**items))
-            mgr.wait_until_finished()
+    stand_ins = {name: np.zeros((1,) * len(shape), np.float32) for name, shape in shapes.items()}
+    options = ocp.CheckpointManagerOptions(create=True)
+    with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as mgr:
+        items = {"params": ocp.args.StandardSave(_nested(stand_ins)),
+                 "config": ocp.args.JsonSave(config)}  # fmt: skip
+        mgr.save(step, args=ocp.args.Composite(**items))
+        mgr.wait_until_finished()
+    _replace_arrays(
+        run_dir / "checkpoints" / str(step) / "params", shapes, np.random.default_rng(seed)
+    )
     return int(sum(np.prod(s) for s in shapes.values()))
 
 

@@ -149,6 +149,22 @@ def test_bad_inputs_are_one_line_errors_naming_the_file(corpus, tmp_path):
         prepare_corpus([root / "c.txt"], tokenizer=tok, output=tmp_path / "o", eos_token="</s>")
 
 
+def test_an_output_inside_the_input_directory_is_not_read_back(tmp_path, corpus):
+    root, _ = corpus
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "one document"}\n')
+    out = tmp_path / "in" / "prepared"
+
+    def interrupt(progress):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # leaves prepare-state.json (a .json) in the input tree
+        prepare_corpus([tmp_path / "in"], tokenizer=root / "tok", output=out, report=interrupt)
+    manifest = prepare_corpus([tmp_path / "in"], tokenizer=root / "tok", output=out)
+    assert [s["path"] for s in manifest["sources"]] == [str(tmp_path / "in" / "a.jsonl")]
+    assert manifest["documents"] == 1
+
+
 def test_rerun_with_other_arguments_is_refused(corpus, prepared, tmp_path):
     root, _ = corpus
     out, manifest = prepared

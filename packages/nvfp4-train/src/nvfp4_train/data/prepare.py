@@ -252,10 +252,11 @@ def prepare_corpus(
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
-    files = input_files(inputs)
+    out = Path(output)
+    inside = out.resolve()  # an output directory inside an input directory is not input
+    files = [f for f in input_files(inputs) if inside not in f.resolve().parents]
     tokenizer_file, hf, eos_id = _tokenizer(tokenizer, eos_token)
     settings = _settings(files, tokenizer_file, hf, eos_token, text_field, shard_tokens)
-    out = Path(output)
     if (out / MANIFEST).is_file():
         return _finished(out, settings)
     out.mkdir(parents=True, exist_ok=True)
