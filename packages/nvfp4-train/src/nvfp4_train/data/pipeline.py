@@ -236,6 +236,16 @@ def make_datasets(
     if len(train) // process_count < rows:
         fix = "use more text, or lower train.batch_size or train.seq_len"
         raise DataError(_too_short("training split", train, seq_len, batch_size, fix))
+    return _datasets(
+        cfg, corpus, train, validation, documents,
+        seq_len=seq_len, seed=seed, rows=rows, process=(process_index, process_count),
+    )  # fmt: skip
+
+
+def _datasets(
+    cfg: DataConfig, corpus: Corpus, train, validation, documents: str, *, seq_len: int,
+    seed: int, rows: int, process: tuple[int, int], mixed: bool = False,
+) -> Datasets:  # fmt: skip
     return Datasets(
         vocab_size=corpus.vocab_size,
         tokenizer=corpus.tokenizer,
@@ -243,14 +253,13 @@ def make_datasets(
         validation_sequences=validation,
         batch_size=rows,
         seed=seed,
-        process_index=process_index,
-        process_count=process_count,
+        process_index=process[0],
+        process_count=process[1],
         shuffle=cfg.shuffle,
         num_workers=cfg.num_workers,
-        num_validation_batches=_validation_batch_count(
-            cfg, validation, seq_len, rows, process_count
-        ),
+        num_validation_batches=_validation_batch_count(cfg, validation, seq_len, rows, process[1]),
         documents=documents,
+        mixed=mixed,
     )
 
 
@@ -298,20 +307,8 @@ def _mixed_datasets(
         process_index=process_index, process_count=process_count,
     )  # fmt: skip
     validation = MixedSequences(validations, weights, seed=seed, shuffle=False, length=held)
-    return Datasets(
-        vocab_size=vocab_size,
-        tokenizer=tokenizer,
-        train_sequences=train,
-        validation_sequences=validation,
-        batch_size=rows,
-        seed=seed,
-        process_index=process_index,
-        process_count=process_count,
-        shuffle=cfg.shuffle,
-        num_workers=cfg.num_workers,
-        num_validation_batches=_validation_batch_count(
-            cfg, validation, seq_len, rows, process_count
-        ),
-        documents=f"{documents}; mixture of {len(corpora)} sources (data.mixture)",
-        mixed=True,
-    )
+    documents = f"{documents}; mixture of {len(corpora)} sources (data.mixture)"
+    return _datasets(
+        cfg, corpora[0], train, validation, documents, seq_len=seq_len, seed=seed, rows=rows,
+        process=(process_index, process_count), mixed=True,
+    )  # fmt: skip
