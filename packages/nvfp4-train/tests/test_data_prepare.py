@@ -140,6 +140,8 @@ def test_bad_inputs_are_one_line_errors_naming_the_file(corpus, tmp_path):
     cases.append((tmp_path / "bad.jsonl", r"bad\.jsonl': line 2 has no field 'text'"))
     (tmp_path / "empty.jsonl").write_text("")
     cases.append((tmp_path / "empty.jsonl", r"empty\.jsonl' holds no documents"))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:-20])
+    cases.append((tmp_path / "cut.jsonl.gz", r"cut\.jsonl\.gz' is damaged: EOFError"))
     (tmp_path / "x.csv").write_text("a")
     cases.append((tmp_path / "x.csv", r"x\.csv': not a corpus file"))
     for i, (file, message) in enumerate(cases):

@@ -17,6 +17,7 @@ Example:
 import dataclasses
 import gzip
 import json
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -118,6 +119,17 @@ def _json_text(line: bytes, file: Path, index: int, field: str) -> str | None:
     return _text_or_none(record[field], file, f"line {index + 1}", field)
 
 
+def _unbroken(batches: Iterator[RecordBatch], file: Path) -> Iterator[RecordBatch]:
+    """`batches`, with a file that breaks while being read (a truncated parquet page, a damaged
+    gzip stream, bytes that are not UTF-8) reported as a DataError naming it."""
+    import pyarrow as pa
+
+    try:
+        yield from batches
+    except (pa.ArrowException, OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
+        raise DataError(f"{str(file)!r} is damaged: {type(e).__name__}: {e}") from None
+
+
 def read_records(file: Path, field: str, *, skip: int, batch: int) -> Iterator[RecordBatch]:
     """Yields the records of `file` from record `skip` on, `batch` at a time.
 
@@ -127,9 +139,9 @@ def read_records(file: Path, field: str, *, skip: int, batch: int) -> Iterator[R
     """
     kind = _kind(file)
     if kind == ".parquet":
-        yield from _parquet(file, field, skip, batch)
+        yield from _unbroken(_parquet(file, field, skip, batch), file)
     elif kind in JSONL_SUFFIXES:
-        yield from _jsonl(file, field, skip, batch)
+        yield from _unbroken(_jsonl(file, field, skip, batch), file)
     elif skip == 0:
         try:
             text = file.read_text(encoding="utf-8")
