@@ -19,6 +19,7 @@ from nvfp4_train.data import (
     train_bpe,
 )
 from nvfp4_train.data.mixture import round_robin
+from nvfp4_train.data.tokenization import TOKENIZER_FILE
 from nvfp4_train.errors import DataError
 
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -166,14 +167,14 @@ def _write_prepared(root, shards):
     root.mkdir()
     vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"<eos>": VOCAB - 1}
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab))
-    hf.save(str(root / prepared.TOKENIZER))
+    hf.save(str(root / TOKENIZER_FILE))
     entries = []
     for index, ids in enumerate(shards):
         ids.astype("<u2").tofile(root / prepared.shard_name(index))
         digest = prepared.file_sha256(root / prepared.shard_name(index))
         entries.append({"file": prepared.shard_name(index), "tokens": int(ids.size),
                         "documents": int((ids == VOCAB - 1).sum()), "sha256": digest})  # fmt: skip
-    tokenizer = {"sha256": prepared.file_sha256(root / prepared.TOKENIZER),
+    tokenizer = {"sha256": prepared.file_sha256(root / TOKENIZER_FILE),
                  "vocab_size": VOCAB, "eos_token": "<eos>"}  # fmt: skip
     manifest = {"format": prepared.FORMAT, "version": prepared.VERSION, "tokenizer": tokenizer,
                 "dtype": "uint16", "shards": entries, "sources": [],

@@ -11,7 +11,6 @@ Example:
 """
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 
@@ -27,11 +26,11 @@ from nvfp4_train.data.prepared import PreparedCorpus, file_sha256, is_prepared, 
 from nvfp4_train.data.sources import read_documents, synthetic_stream, text_files, token_array
 from nvfp4_train.data.streams import PieceStream
 from nvfp4_train.data.tokenization import (
-    TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
     id_tokenizer,
     load_tokenizer,
+    tokenizer_file,
     train_bpe,
 )
 from nvfp4_train.errors import DataError
@@ -92,8 +91,7 @@ def _prepared_tokenizer(cfg: DataConfig, path: str, prepared: PreparedCorpus) ->
             f"{prepared.eos_token!r}; set data.eos_token: {prepared.eos_token!r}"
         )
     if cfg.tokenizer_path:
-        file = Path(cfg.tokenizer_path)
-        file = file / TOKENIZER_FILE if file.is_dir() else file
+        file = tokenizer_file(cfg.tokenizer_path)
         if not file.is_file() or file_sha256(file) != prepared.tokenizer_sha256:
             raise DataError(
                 f"data.tokenizer_path {cfg.tokenizer_path!r} is not the tokenizer {path!r} was "

@@ -12,7 +12,6 @@ written last (see `nvfp4_train.data.prepared`).
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -27,13 +26,17 @@ from nvfp4_train.data.prepared import (
     FORMAT,
     MANIFEST,
     STATE,
-    TOKENIZER,
     VERSION,
     file_sha256,
     shard_name,
     write_json_atomically,
 )
-from nvfp4_train.data.tokenization import TOKENIZER_FILE, token_dtype
+from nvfp4_train.data.tokenization import (
+    TOKENIZER_FILE,
+    encode_joined,
+    token_dtype,
+    tokenizer_file,
+)
 from nvfp4_train.errors import DataError
 
 BATCH_RECORDS = 1024
@@ -51,8 +54,7 @@ class Progress:
 
 
 def _tokenizer(path: str | Path, eos_token: str) -> tuple[Path, tokenizers.Tokenizer, int]:
-    file = Path(path)
-    file = file / TOKENIZER_FILE if file.is_dir() else file
+    file = tokenizer_file(path)
     try:
         hf = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception
@@ -66,11 +68,11 @@ def _tokenizer(path: str | Path, eos_token: str) -> tuple[Path, tokenizers.Token
     return file, hf, eos_id
 
 
-def _settings(files, tokenizer_file, hf, eos_token, text_field, shard_tokens) -> dict:
+def _settings(files, tokenizer_path, hf, eos_token, text_field, shard_tokens) -> dict:
     vocab_size = hf.get_vocab_size(with_added_tokens=True)
     return {
         "tokenizer": {
-            "sha256": file_sha256(tokenizer_file),
+            "sha256": file_sha256(tokenizer_path),
             "vocab_size": vocab_size,
             "eos_token": eos_token,
         },
@@ -132,11 +134,12 @@ class _ShardWriter:
         self.per_source: dict[int, list[int]] = {}
         done = state["sources"][: state["next"]["source"]]
         self.bytes_done = float(sum(source["bytes"] for source in done))
+        self.bytes_total = sum(source["bytes"] for source in state["sources"])
 
     def progress(self) -> Progress:
         return Progress(
             bytes_done=self.bytes_done,
-            bytes_total=sum(source["bytes"] for source in self.state["sources"]),
+            bytes_total=self.bytes_total,
             documents=self.state["documents"] + self.documents,
             tokens=self.state["tokens"] + self.tokens,
             shards=len(self.state["shards"]),
@@ -183,21 +186,9 @@ class _ShardWriter:
         self.pieces, self.tokens, self.documents, self.per_source = [], 0, 0, {}
 
 
-def _encode(
-    hf: tokenizers.Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """(the documents' ids, each followed by `eos_id`; each document's end offset in them)."""
-    encodings = hf.encode_batch(texts, add_special_tokens=False)
-    ids = [e.ids for e in encodings]
-    lengths = np.fromiter((len(i) + 1 for i in ids), dtype=np.int64, count=len(ids))
-    pieces = itertools.chain.from_iterable((i, (eos_id,)) for i in ids)
-    flat = itertools.chain.from_iterable(pieces)
-    return np.fromiter(flat, dtype=dtype, count=int(lengths.sum())), np.cumsum(lengths)
-
-
 def _add_batch(writer: _ShardWriter, hf, eos_id: int, texts, records, source: int) -> None:
     """Tokenizes one batch and hands it to `writer` in pieces that end where shards must end."""
-    flat, ends = _encode(hf, texts, eos_id, writer.dtype)
+    flat, ends = encode_joined(hf, texts, eos_id, writer.dtype)
     doc = 0
     while doc < len(texts):
         base = int(ends[doc - 1]) if doc else 0
@@ -255,15 +246,15 @@ def prepare_corpus(
     out = Path(output)
     inside = out.resolve()  # an output directory inside an input directory is not input
     files = [f for f in input_files(inputs) if inside not in f.resolve().parents]
-    tokenizer_file, hf, eos_id = _tokenizer(tokenizer, eos_token)
-    settings = _settings(files, tokenizer_file, hf, eos_token, text_field, shard_tokens)
+    tokenizer_path, hf, eos_id = _tokenizer(tokenizer, eos_token)
+    settings = _settings(files, tokenizer_path, hf, eos_token, text_field, shard_tokens)
     if (out / MANIFEST).is_file():
         return _finished(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     state = _resumed_state(out, settings, files) if (out / STATE).is_file() else None
     if state is None:
         state = _fresh_state(settings, files)
-        shutil.copyfile(tokenizer_file, out / TOKENIZER)
+        shutil.copyfile(tokenizer_path, out / TOKENIZER_FILE)
         write_json_atomically(out / STATE, state)
     writer = _ShardWriter(out, state, np.dtype(state["dtype"]))
     start = state["next"]

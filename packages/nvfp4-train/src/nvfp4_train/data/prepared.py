@@ -23,13 +23,13 @@ from pathlib import Path
 
 from nvfp4_train.data.packing import FULL_CHECK_MAX_TOKENS
 from nvfp4_train.data.streams import ShardStream
+from nvfp4_train.data.tokenization import TOKENIZER_FILE
 from nvfp4_train.errors import DataError
 
 FORMAT = "nvfp4-train prepared corpus"
 VERSION = 1
 MANIFEST = "manifest.json"
 STATE = "prepare-state.json"
-TOKENIZER = "tokenizer.json"
 
 
 def shard_name(index: int) -> str:
@@ -123,7 +123,7 @@ def open_prepared(path: str | Path) -> PreparedCorpus:
     root = Path(path)
     manifest = _read_manifest(root)
     tokenizer = manifest["tokenizer"]
-    tokenizer_file = root / TOKENIZER
+    tokenizer_file = root / TOKENIZER_FILE
     if not tokenizer_file.is_file() or file_sha256(tokenizer_file) != tokenizer["sha256"]:
         raise DataError(
             f"data.path: {str(tokenizer_file)!r} is missing or is not the tokenizer of "

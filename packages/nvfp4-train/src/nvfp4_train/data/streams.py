@@ -20,6 +20,7 @@ Example:
     (5, [3, 4, 5])
 """
 
+import abc
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,8 +29,8 @@ import numpy as np
 from nvfp4_train.errors import DataError
 
 
-class PieceStream:
-    """The concatenation of `len(lengths)` pieces; subclasses read one piece's [lo, hi)."""
+class PieceStream(abc.ABC):
+    """The concatenation of `len(lengths)` pieces; a subclass says how to read one piece."""
 
     def __init__(self, lengths: Sequence[int], dtype: np.dtype) -> None:
         self._ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
@@ -40,8 +41,9 @@ class PieceStream:
     def __len__(self) -> int:
         return self.size
 
+    @abc.abstractmethod
     def _read(self, piece: int, lo: int, hi: int) -> np.ndarray:
-        raise NotImplementedError
+        """Elements [lo, hi) of piece `piece`."""
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):

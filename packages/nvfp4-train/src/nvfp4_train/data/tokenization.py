@@ -16,6 +16,7 @@ Example:
 """
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,22 @@ def _join_with_separator(pieces: Sequence[np.ndarray], eos_id: int | None, dtype
     if not pieces:
         return np.zeros(0, dtype=dtype)
     return np.concatenate([np.asarray(p, dtype=dtype) for p in pieces])
+
+
+def encode_joined(
+    hf: tokenizers.Tokenizer, texts: Sequence[str], eos_id: int | None, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids of `texts` encoded as one batch (every core), each followed by `eos_id` unless it
+    is None, as one `dtype` array; the end offset of each text's ids, separator included).
+
+    The end offsets, not the separators, mark the documents: a text may itself contain the
+    separator's string, which a Hugging Face tokenizer encodes as the special token.
+    """
+    ids = [e.ids for e in hf.encode_batch(list(texts), add_special_tokens=False)]
+    tail = () if eos_id is None else (eos_id,)
+    lengths = np.fromiter((len(i) + len(tail) for i in ids), dtype=np.int64, count=len(ids))
+    flat = itertools.chain.from_iterable(itertools.chain.from_iterable((i, tail) for i in ids))
+    return np.fromiter(flat, dtype=dtype, count=int(lengths.sum())), np.cumsum(lengths)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -176,9 +193,7 @@ class HFTokenizer:
         return self.hf.decode(ids_list, skip_special_tokens=False)
 
     def encode_documents(self, documents: Sequence[str]) -> np.ndarray:
-        encodings = self.hf.encode_batch(list(documents), add_special_tokens=False)
-        dtype = token_dtype(self.vocab_size)
-        return _join_with_separator([e.ids for e in encodings], self.eos_id, dtype)
+        return encode_joined(self.hf, documents, self.eos_id, token_dtype(self.vocab_size))[0]
 
     def save(self, directory: str | Path) -> list[Path]:
         return _write_hf_files(self.hf, self.eos_token, directory)
@@ -206,11 +221,15 @@ def train_bpe(documents: Sequence[str], vocab_size: int, eos_token: str) -> HFTo
     return HFTokenizer(hf, eos_token)
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """`path` itself, or the `tokenizer.json` inside it when `path` is a directory."""
+    file = Path(path)
+    return file / TOKENIZER_FILE if file.is_dir() else file
+
+
 def load_tokenizer(path: str | Path, eos_token: str) -> HFTokenizer:
     """Loads a `tokenizer.json` (or the one inside directory `path`)."""
-    file = Path(path)
-    if file.is_dir():
-        file = file / TOKENIZER_FILE
+    file = tokenizer_file(path)
     if not file.is_file():
         raise DataError(f"data.tokenizer_path: no tokenizer file at {str(file)!r}")
     try:
