@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.te_backend import TE_MIN_VERSION, _release
+from nvfp4_ops.te_backend import te_version_problem
 
 TE_ATTENTION_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 """What cuDNN's fused attention takes as q, k and v."""
@@ -47,11 +47,7 @@ def _import_problem() -> str | None:
         _te_attention()
     except Exception as e:  # noqa: BLE001 - TE without CUDA raises more than ImportError
         return f"transformer_engine.jax.attention does not import: {type(e).__name__}: {e}"
-    version = str(importlib.import_module("transformer_engine").__version__)
-    if _release(version) < TE_MIN_VERSION:
-        floor = ".".join(map(str, TE_MIN_VERSION))
-        return f"TransformerEngine {version} is older than {floor} (pip install 'nvfp4-ops[te]')"
-    return None
+    return te_version_problem()
 
 
 def te_attention_support(*, platform: str, dtype, head_dim: int) -> tuple[bool, str]:

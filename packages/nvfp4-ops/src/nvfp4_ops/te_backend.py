@@ -96,6 +96,18 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
+def te_version_problem() -> str | None:
+    """Why the installed TransformerEngine is too old for this nvfp4-ops (None: it is not)."""
+    version = str(importlib.import_module("transformer_engine").__version__)
+    if _release(version) >= TE_MIN_VERSION:
+        return None
+    floor = ".".join(map(str, TE_MIN_VERSION))
+    return (
+        f"TransformerEngine {version} is older than {floor}, the oldest release this "
+        "nvfp4-ops is verified against (pip install 'nvfp4-ops[te]')"
+    )
+
+
 def te_host_support(environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether the installed TransformerEngine can run NVFP4 here as this module drives it.
 
@@ -103,13 +115,10 @@ def te_host_support(environ: Mapping[str, str]) -> tuple[bool, str]:
     NVFP4 support check (compute capability >= 10.0, CUDA and cuBLASLt >= 12.8) to pass for 1x16
     and 16x16 scaling.
     """
+    too_old = te_version_problem()
+    if too_old is not None:
+        return False, too_old
     version = str(importlib.import_module("transformer_engine").__version__)
-    floor = ".".join(map(str, TE_MIN_VERSION))
-    if _release(version) < TE_MIN_VERSION:
-        return False, (
-            f"TransformerEngine {version} is older than {floor}, the oldest release this "
-            "nvfp4-ops is verified against (pip install 'nvfp4-ops[te]')"
-        )
     conflicts = environment_conflicts(environ)
     if conflicts:
         return False, (
