@@ -74,7 +74,7 @@ def test_env(session: nox.Session) -> dict[str, str | None]:
     - Bytecode written: `PYTHONDONTWRITEBYTECODE` (set on this project's machines) is removed, so
       the first process to import jax, orbax or transformers leaves its `.pyc` in the session's
       virtualenv (uv installs none) and no later worker or `nvfp4-train run` process compiles
-      the same sources again (`import nvfp4_train.run`: 9-10 s without them, 4.6-5 s with).
+      the same sources again (`import nvfp4_train.training.run`: 9-10 s without them, 4.6-5 s with).
     """
     return {
         "JAX_COMPILATION_CACHE_DIR": str(Path(session.cache_dir) / "jax-compilation-cache"),

@@ -5,7 +5,7 @@
 #      train-step benchmark (the tiny Llama, BF16 vs NVFP4) for each available backend;
 #   3. a short NVFP4 training of examples/configs/tiny.yaml on each available backend;
 #   4. each fused attention kernel that runs here (cudnn; te with TE) against naive attention
-#      (nvfp4_train.attention_check, Llama-3-8B's heads: 32 query / 8 key-value heads of 128);
+#      (nvfp4_train.precision.attention_check, Llama-3-8B's heads: 32 query / 8 key-value heads of 128);
 #   5. with TE available on 2 or more GPUs: backend="te" on a sharded mesh against one device
 #      (packages/nvfp4-ops/conformance/sharded_te.py --installed);
 #   6. the GPU-only risks that remain untested elsewhere (docs/ops.md), each with what above shows it.
@@ -58,8 +58,8 @@ done
 python - "$out/attention.json" <<'PY' || status=1
 import json, sys
 import jax, jax.numpy as jnp
-from nvfp4_train.attention import attention_capability
-from nvfp4_train.attention_check import verify_attention
+from nvfp4_train.model.attention import attention_capability
+from nvfp4_train.precision.attention_check import verify_attention
 rows = {}
 for name in ("cudnn", "te"):
     ok, why = attention_capability(name, platform=jax.default_backend(), dtype=jnp.bfloat16, head_dim=128)

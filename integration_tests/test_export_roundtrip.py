@@ -56,8 +56,8 @@ def _jax_logits(ckpt, tokens: np.ndarray) -> np.ndarray:
     import jax.numpy as jnp
     from flax import nnx
 
-    from nvfp4_train.config import config_from_dict
-    from nvfp4_train.resume import initial_state
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.resume import initial_state
 
     graphdef, _ = initial_state(config_from_dict(ckpt.config))
     tree: dict = {}
@@ -95,8 +95,8 @@ def run(tmp_path_factory) -> Path:
         {"tokens": tokens, "logits": _jax_logits(ckpt, tokens)},
         force=True,
     )
-    from nvfp4_train.config import config_from_dict
-    from nvfp4_train.policy import layer_recipe_names
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.precision.policy import layer_recipe_names
 
     cfg = config_from_dict(ckpt.config)
     recipes = layer_recipe_names(cfg.model, cfg.precision)
@@ -123,8 +123,8 @@ def exports(run, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_policy_rule_and_numpy_emulation_match_training(run):
-    from nvfp4_train.config import config_from_dict
-    from nvfp4_train.policy import layer_recipe_names
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.precision.policy import layer_recipe_names
 
     ckpt = read_checkpoint(resolve_checkpoint(run))
     cfg = config_from_dict(ckpt.config)

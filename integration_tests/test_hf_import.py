@@ -23,10 +23,10 @@ TOLERANCE = 1e-5
 def _import(model_dir, **model_keys):
     import jax
 
-    from nvfp4_train.config import config_from_dict
-    from nvfp4_train.hf_weights import load_hf_params
-    from nvfp4_train.resume import abstract_state
-    from nvfp4_train.sharding import make_mesh, tree_shardings
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
+    from nvfp4_train.model.hf_weights import load_hf_params
+    from nvfp4_train.training.resume import abstract_state
 
     cfg = config_from_dict(
         {
@@ -65,7 +65,7 @@ def _rel(ours: np.ndarray, ref: np.ndarray) -> float:
 def test_logits_match_transformers(hf_case, scan):
     import jax.numpy as jnp
 
-    from nvfp4_train.step import forward
+    from nvfp4_train.training.step import forward
 
     case, model_dir, model = hf_case
     cfg, graphdef, params, unused = _import(model_dir, scan_layers=scan)
@@ -82,9 +82,9 @@ def test_first_step_loss_matches_transformers(hf_case):
     import jax
     import torch
 
-    from nvfp4_train.optim import make_optimizer
-    from nvfp4_train.resume import run_train_step
-    from nvfp4_train.step import state_from_params
+    from nvfp4_train.optim.optimizer import make_optimizer
+    from nvfp4_train.training.resume import run_train_step
+    from nvfp4_train.training.step import state_from_params
 
     case, model_dir, model = hf_case
     cfg, graphdef, params, _ = _import(model_dir)

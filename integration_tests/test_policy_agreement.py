@@ -17,11 +17,11 @@ from nvfp4_export.model_spec import ARCHITECTURE_OPTIONS as EXPORT_ARCHITECTURES
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.policy import default_bf16_layers as export_default
 from nvfp4_export.policy import linear_recipes
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.config_loader import to_dict
-from nvfp4_train.model_config import ARCHITECTURE_OPTIONS as TRAIN_ARCHITECTURES
-from nvfp4_train.policy import default_bf16_layers as train_default
-from nvfp4_train.policy import export_recipe_names
+from nvfp4_train.config.loader import to_dict
+from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.model.config import ARCHITECTURE_OPTIONS as TRAIN_ARCHITECTURES
+from nvfp4_train.precision.policy import default_bf16_layers as train_default
+from nvfp4_train.precision.policy import export_recipe_names
 
 
 def test_export_checks_the_architectures_training_allows():

@@ -7,7 +7,7 @@ For each `model.attention` that runs here and each length: the whole jitted trai
 temporary memory of the compiled step (`memory_analysis().temp_size_in_bytes`: activations kept
 for the backward pass and scratch, where the [L, L] scores of `naive`/`xla` show), the median step
 time over interleaved rounds (every variant once per round, shortest first, so machine load hits
-all alike), and model TFLOP/s (`nvfp4_train.flops`). Prints a table, writes JSON and (with --md)
+all alike), and model TFLOP/s (`nvfp4_train.model.flops`). Prints a table, writes JSON and (with --md)
 Markdown.
 
     python packages/nvfp4-train/benchmarks/bench_attention.py \
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_train.attention import attention_capability, document_positions
-from nvfp4_train.config import load_config
-from nvfp4_train.flops import train_flops_per_token
-from nvfp4_train.resume import initial_state, run_train_step
+from nvfp4_train.config.run_config import load_config
+from nvfp4_train.model.attention import attention_capability, document_positions
+from nvfp4_train.model.flops import train_flops_per_token
+from nvfp4_train.training.resume import initial_state, run_train_step
 
 MIB = 2**20
 

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_train.config import load_config
-from nvfp4_train.model_config import REMAT_POLICIES
-from nvfp4_train.policy import run_layout
-from nvfp4_train.resume import abstract_state, initial_state, run_train_step
-from nvfp4_train.step import count_params
+from nvfp4_train.config.run_config import load_config
+from nvfp4_train.model.config import REMAT_POLICIES
+from nvfp4_train.precision.policy import run_layout
+from nvfp4_train.training.resume import abstract_state, initial_state, run_train_step
+from nvfp4_train.training.step import count_params
 
 MIB = 2**20
 

@@ -41,10 +41,10 @@ def rss(field):  # bytes; VmHWM is the peak (reset at exec, unlike ru_maxrss), R
             return int(line.split()[1]) * 1024
 
 import jax
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.hf_weights import load_hf_params
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.sharding import make_mesh, tree_shardings
+from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.model.hf_weights import load_hf_params
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
 baseline = rss("VmRSS")
 imported = time.perf_counter()
 cfg = config_from_dict({"model": {"init_from": sys.argv[1]}, "train": {"seq_len": 128}})

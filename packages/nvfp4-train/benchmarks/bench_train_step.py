@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_train.config import load_config
-from nvfp4_train.resume import initial_state, run_train_step
-from nvfp4_train.step import count_params, with_vocab_size
+from nvfp4_train.config.run_config import load_config
+from nvfp4_train.training.resume import initial_state, run_train_step
+from nvfp4_train.training.step import count_params, with_vocab_size
 
 VARIANTS = {
     "bf16": ["precision.recipe=bf16"],

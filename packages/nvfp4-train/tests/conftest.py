@@ -23,15 +23,15 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True, scope="session")
 def _scan_layers_from(request):
-    """`--scan-layers-from N`: `nvfp4_train.model_config.AUTO_SCAN_LAYERS` set to N for the session."""
+    """`--scan-layers-from N`: `nvfp4_train.model.config.AUTO_SCAN_LAYERS` set to N for the session."""
     value = request.config.getoption("--scan-layers-from")
     if value is None:
         yield
         return
-    import nvfp4_train.model_config
+    import nvfp4_train.model.config
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nvfp4_train.model_config, "AUTO_SCAN_LAYERS", value)
+        patch.setattr(nvfp4_train.model.config, "AUTO_SCAN_LAYERS", value)
         yield
 
 
@@ -107,7 +107,7 @@ class TrainedRuns:
     Attributes:
         cli_dir: the run directory of `python -m nvfp4_train run cli.yaml train.steps=8`.
         cli_result: that subprocess (returncode, stdout, stderr).
-        api_dir: the run directory of `nvfp4_train.run.run(cfg)` with the same config.
+        api_dir: the run directory of `nvfp4_train.training.run.run(cfg)` with the same config.
         api_summary: what `run` returned.
         api_output: what `run` printed.
         steps: `train.steps` of both runs.
@@ -133,8 +133,8 @@ def trained_runs(tmp_path_factory) -> TrainedRuns:
     """The CLI run, then the in-process one (`RUN_STEPS` steps, checkpoints at 4 and 8): one after
     the other, so that under nox's persistent compilation cache the second loads the first's
     compiled steps (at once, both compiled the same programs)."""
-    from nvfp4_train.config import config_from_dict
-    from nvfp4_train.run import run
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.run import run
 
     root = tmp_path_factory.mktemp("trained")
     cli_config = root / "cli.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
-from nvfp4_train.metrics import read_metrics
+from nvfp4_train.observe.metrics import read_metrics
 
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:

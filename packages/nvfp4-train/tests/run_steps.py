@@ -1,12 +1,12 @@
-"""The step functions of a run config, wired as `nvfp4_train.loop.TrainingLoop` wires them, for
+"""The step functions of a run config, wired as `nvfp4_train.training.loop.TrainingLoop` wires them, for
 tests that drive the steps directly."""
 
 from __future__ import annotations
 
-from nvfp4_train.optim import make_optimizer
-from nvfp4_train.resume import run_train_step
-from nvfp4_train.step import init_state, make_eval_step, model_spec
-from nvfp4_train.telemetry import make_quant_probe
+from nvfp4_train.observe.telemetry import make_quant_probe
+from nvfp4_train.optim.optimizer import make_optimizer
+from nvfp4_train.training.resume import run_train_step
+from nvfp4_train.training.step import init_state, make_eval_step, model_spec
 
 
 def run_optimizer(cfg):

@@ -18,23 +18,23 @@ import yaml
 from run_steps import initial, train_step_of
 from test_model import attention_reference
 
-import nvfp4_train.attention
-import nvfp4_train.loop
-from nvfp4_train import attention_check
-from nvfp4_train.attention import (
+import nvfp4_train.model.attention
+import nvfp4_train.training.loop
+from nvfp4_train.config.loader import to_dict
+from nvfp4_train.config.run_config import ConfigError, config_from_dict, upgraded
+from nvfp4_train.errors import RunError
+from nvfp4_train.model.attention import (
     attention,
     attention_capability,
     document_positions,
     documents_per_row,
     resolve_attention,
 )
-from nvfp4_train.attention_check import verify_attention
-from nvfp4_train.config import ConfigError, config_from_dict, upgraded
-from nvfp4_train.config_loader import to_dict
-from nvfp4_train.errors import RunError
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.run import attention_text, run
-from nvfp4_train.step import forward, model_graphdef, model_spec
+from nvfp4_train.precision import attention_check
+from nvfp4_train.precision.attention_check import verify_attention
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.training.run import attention_text, run
+from nvfp4_train.training.step import forward, model_graphdef, model_spec
 
 CPU_IMPLEMENTATIONS = ("chunked", "xla")
 PLATFORM = jax.default_backend()
@@ -290,11 +290,11 @@ def test_attention_check_passes_ours_and_catches_a_wrong_or_crashing_kernel(monk
         report = verify_attention(name, **shape)
         assert report.ok and max(report.errors.values()) < 1e-2, report.summary()
         assert report.summary().startswith("agrees with naive attention")
-    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _across_documents)
+    monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", _across_documents)
     report = verify_attention("xla", **shape)
     assert not report.ok and report.summary().startswith("DISAGREES with naive attention")
     assert report.errors["out"] > 0.1  # a mask error is O(1), not rounding
-    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _crashing)
+    monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", _crashing)
     report = verify_attention("xla", **shape)
     assert not report.ok and "CUDNN_STATUS_EXECUTION_FAILED" in report.summary()
 
@@ -313,7 +313,7 @@ def test_a_run_leaves_out_a_kernel_that_fails_its_check_or_stops_if_strict(
     tmp_path, tiny_config, monkeypatch
 ):
     monkeypatch.setattr(attention_check, "CHECKED", ("xla",))  # as cudnn and te are on a GPU
-    monkeypatch.setattr(nvfp4_train.attention, "fused_attention", _across_documents)
+    monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", _across_documents)
     with pytest.raises(RunError, match=r"attention 'xla' failed its check .*strict"):
         run(_checked_run_config(tmp_path / "s", tiny_config, verify_backend="strict"),
             stream=io.StringIO())  # fmt: skip
@@ -346,7 +346,9 @@ def test_te_is_bounded_by_documents_per_row_and_every_batch_is_checked(
             tmp_path / "r", data={"source": "text", "path": str(corpus), "validation_batches": 0}
         )
     )
-    monkeypatch.setattr(nvfp4_train.loop, "document_bound", lambda cfg, platform: 2)  # as te
+    monkeypatch.setattr(
+        nvfp4_train.training.loop, "document_bound", lambda cfg, platform: 2
+    )  # as te
     with pytest.raises(RunError, match=r"^a batch row holds \d+ documents, more than model\."
                        r"attention_max_documents=2 that attention 'te' is compiled for"):  # fmt: skip
         run(cfg, stream=io.StringIO())

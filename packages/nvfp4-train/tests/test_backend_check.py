@@ -11,12 +11,17 @@ import jax
 import pytest
 
 import nvfp4_ops
-from nvfp4_train.backend_check import BackendChoice, backend_line, te_context, trusted_backend
-from nvfp4_train.checkpoint import Checkpoints
-from nvfp4_train.config import ConfigError, config_from_dict
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.config.run_config import ConfigError, config_from_dict
 from nvfp4_train.errors import RunError
-from nvfp4_train.policy import PrecisionConfig, backend_spec
-from nvfp4_train.run import run
+from nvfp4_train.precision.backend_check import (
+    BackendChoice,
+    backend_line,
+    te_context,
+    trusted_backend,
+)
+from nvfp4_train.precision.policy import PrecisionConfig, backend_spec
+from nvfp4_train.training.run import run
 
 CAPS = nvfp4_ops.backend_capabilities()
 needs_xla = pytest.mark.skipif(not CAPS["xla"][0], reason=CAPS["xla"][1])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from nvfp4_train.cadence import Due, due
-from nvfp4_train.config import CheckpointConfig, LoggingConfig, TrainConfig
+from nvfp4_train.config.run_config import CheckpointConfig, LoggingConfig, TrainConfig
+from nvfp4_train.training.cadence import Due, due
 
 
 def _steps(train, checkpoint, logging, validation=True):

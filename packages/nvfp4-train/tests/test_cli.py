@@ -10,9 +10,9 @@ import yaml
 
 from nvfp4_train import cli
 from nvfp4_train.cli import main
-from nvfp4_train.config import config_from_dict, load_config
+from nvfp4_train.config.run_config import config_from_dict, load_config
 from nvfp4_train.errors import DataError
-from nvfp4_train.metrics import read_metrics
+from nvfp4_train.observe.metrics import read_metrics
 
 RUN_STEPS = 8  # conftest's trained_runs
 

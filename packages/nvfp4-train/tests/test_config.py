@@ -9,8 +9,8 @@ from typing import Literal
 import pytest
 import yaml
 
-from nvfp4_train.config import Config, config_from_dict, load_config, upgraded
-from nvfp4_train.config_loader import apply_overrides, build, parse_override, to_dict, to_yaml
+from nvfp4_train.config.loader import apply_overrides, build, parse_override, to_dict, to_yaml
+from nvfp4_train.config.run_config import Config, config_from_dict, load_config, upgraded
 from nvfp4_train.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]

@@ -26,7 +26,7 @@ def test_fields_are_plain_types():
 
 
 def test_mixture_from_yaml_mappings():
-    from nvfp4_train.config_loader import build
+    from nvfp4_train.config.loader import build
 
     cfg = build(
         DataConfig, {"source": "tokens", "mixture": [{"path": "a", "weight": 3}, {"path": "b"}]}

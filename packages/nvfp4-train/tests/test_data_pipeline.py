@@ -337,8 +337,8 @@ def test_corpora_without_separators_say_so_and_refuse_a_required_mask(tmp_path, 
 
 
 def test_document_mask_values_and_old_saved_configs():
-    from nvfp4_train.config import ConfigError, config_from_dict, upgraded
-    from nvfp4_train.config_loader import to_dict
+    from nvfp4_train.config.loader import to_dict
+    from nvfp4_train.config.run_config import ConfigError, config_from_dict, upgraded
 
     assert config_from_dict({}).data.document_mask == "auto"
     assert config_from_dict({"data": {"document_mask": False}}).data.document_mask is False

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from nvfp4_train.config import ConfigError, config_from_dict
-from nvfp4_train.distributed import DistributedConfig, init_kwargs
-from nvfp4_train.metrics import read_metrics
+from nvfp4_train.config.run_config import ConfigError, config_from_dict
+from nvfp4_train.mesh.distributed import DistributedConfig, init_kwargs
+from nvfp4_train.observe.metrics import read_metrics
 
 ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
 

@@ -1,4 +1,4 @@
-"""Model FLOPs and MFU (`nvfp4_train.flops`): N against the model's parameter tree, the whole
+"""Model FLOPs and MFU (`nvfp4_train.model.flops`): N against the model's parameter tree, the whole
 count against XLA's cost analysis of the forward pass, the peak table, and the row fields."""
 
 import jax
@@ -6,10 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.flops import Peak, Throughput, device_peak, matmul_params, train_flops_per_token
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.step import forward
+from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.model.flops import (
+    Peak,
+    Throughput,
+    device_peak,
+    matmul_params,
+    train_flops_per_token,
+)
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.training.step import forward
 from nvfp4_train.tree_paths import flat_paths
 
 MODEL = {"d_model": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 256,

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from nvfp4_train.config import config_from_dict, load_config
-from nvfp4_train.config_loader import to_yaml
+from nvfp4_train.config.loader import to_yaml
+from nvfp4_train.config.run_config import config_from_dict, load_config
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.health import (
+from nvfp4_train.observe.health import (
     ROLE_FAMILIES,
     QuantHealthConfig,
     StatLimits,

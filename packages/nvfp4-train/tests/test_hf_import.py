@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from nvfp4_train.config import ConfigError, config_from_dict
-from nvfp4_train.hf_config import HFConfigError, model_section
-from nvfp4_train.hf_weights import HFImportError, load_hf_params
+from nvfp4_train.config.run_config import ConfigError, config_from_dict
+from nvfp4_train.model.hf_config import HFConfigError, model_section
+from nvfp4_train.model.hf_weights import HFImportError, load_hf_params
 
 QWEN3 = {
     "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -77,8 +77,8 @@ def write_model(path, hf: dict, tensors: dict[str, np.ndarray], shards: int = 1)
 def _load(path, **model):
     import jax
 
-    from nvfp4_train.resume import abstract_state
-    from nvfp4_train.sharding import make_mesh, tree_shardings
+    from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
+    from nvfp4_train.training.resume import abstract_state
 
     cfg = config_from_dict({"model": {"init_from": str(path), **model}})
     _, abstract = abstract_state(cfg)
@@ -90,7 +90,7 @@ def _canonical(cfg, params) -> dict[str, np.ndarray]:
     import jax
     from flax import nnx
 
-    from nvfp4_train.step import model_graphdef, model_spec
+    from nvfp4_train.training.step import model_graphdef, model_spec
 
     layout = nnx.merge(model_graphdef(model_spec(cfg)), params).layout
 
@@ -217,7 +217,7 @@ def test_config_loader_fills_the_model_and_data_sections(tmp_path):
 def test_the_continue_from_hf_example_loads_with_a_model(tmp_path):
     from pathlib import Path
 
-    from nvfp4_train.config import load_config
+    from nvfp4_train.config.run_config import load_config
 
     hf = {**QWEN3, "max_position_embeddings": 4096}
     model_dir = write_model(tmp_path / "m", hf, hf_tensors(hf, np.random.default_rng(0)))
@@ -302,10 +302,10 @@ def test_weights_are_read_into_the_mesh_sharding(tmp_path):
     model_dir = write_model(tmp_path / "m", QWEN3, tensors)
     script = textwrap.dedent(f"""
         import jax, numpy as np, safetensors.numpy
-        from nvfp4_train.config import config_from_dict
-        from nvfp4_train.hf_weights import load_hf_params
-        from nvfp4_train.resume import abstract_state
-        from nvfp4_train.sharding import make_mesh, tree_shardings
+        from nvfp4_train.config.run_config import config_from_dict
+        from nvfp4_train.model.hf_weights import load_hf_params
+        from nvfp4_train.training.resume import abstract_state
+        from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
         cfg = config_from_dict({{"model": {{"init_from": {str(model_dir)!r}}},
                                 "mesh": {{"fsdp": 2, "tensor": 4}}}})
         mesh = make_mesh(cfg.mesh, jax.devices())

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from nvfp4_train.loss_scaling import (
+from nvfp4_train.optim.loss_scaling import (
     LossScalingConfig,
     all_finite,
     current_loss_scale,

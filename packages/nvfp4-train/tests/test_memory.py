@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from nvfp4_train.cli import main
-from nvfp4_train.config import ConfigError, config_from_dict, load_config
-from nvfp4_train.memory import GIB, estimate_memory
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.step import count_params
+from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
+from nvfp4_train.training.memory import GIB, estimate_memory
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.training.step import count_params
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = {"vocab_size": 256, "d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nvfp4_train.metrics import (
+from nvfp4_train.observe.metrics import (
     MetricsFile,
     PlainProgress,
     RichProgress,

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from test_metrics import read_scalars
 
-from nvfp4_train.metrics import (
+from nvfp4_train.observe.metrics import (
     MetricsFile,
     PlainProgress,
     TensorBoard,

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from nvfp4_train.loss_scaling import LossScalingConfig, current_loss_scale, skipped_steps
-from nvfp4_train.optim import OptimizerConfig, decay_mask, make_optimizer, make_schedule
+from nvfp4_train.optim.loss_scaling import LossScalingConfig, current_loss_scale, skipped_steps
+from nvfp4_train.optim.optimizer import OptimizerConfig, decay_mask, make_optimizer, make_schedule
 
 PEAK = 1e-3
 

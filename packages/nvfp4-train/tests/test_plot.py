@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from nvfp4_train.plot import ema, loss_series, plot_runs, run_label
+from nvfp4_train.observe.plot import ema, loss_series, plot_runs, run_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

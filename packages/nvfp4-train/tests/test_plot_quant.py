@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nvfp4_train.cli import main
-from nvfp4_train.plot import plot_quant, plot_runs, quant_grid
+from nvfp4_train.observe.plot import plot_quant, plot_runs, quant_grid
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PATHS = ["layers.1.attn.qkv", "layers.1.mlp.down", "layers.10.attn.o", "layers.2.mlp.gate_up"]

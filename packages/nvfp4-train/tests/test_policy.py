@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.model import Llama
-from nvfp4_train.model_config import ModelConfig
-from nvfp4_train.policy import (
+from nvfp4_train.model.config import ModelConfig
+from nvfp4_train.model.decoder import Llama
+from nvfp4_train.precision.policy import (
     PrecisionConfig,
     default_bf16_layers,
     layer_recipe_names,

@@ -16,14 +16,14 @@ from run_reading import saved_params, train_losses, val_losses
 from run_steps import initial
 
 import nvfp4_ops
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.config_loader import to_dict
+from nvfp4_train.config.loader import to_dict
+from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.model_config import ModelConfig
-from nvfp4_train.policy import PrecisionConfig, bf16_forward_start, layer_recipes
-from nvfp4_train.resume import check_same_model
-from nvfp4_train.run import evaluate_run, run
-from nvfp4_train.step import model_graphdef, model_spec
+from nvfp4_train.model.config import ModelConfig
+from nvfp4_train.precision.policy import PrecisionConfig, bf16_forward_start, layer_recipes
+from nvfp4_train.training.resume import check_same_model
+from nvfp4_train.training.run import evaluate_run, run
+from nvfp4_train.training.step import model_graphdef, model_spec
 
 STEPS, SWITCH = 6, 3
 SECTIONS = {

@@ -20,10 +20,10 @@ import pytest
 import yaml
 from run_reading import last_step, start_run, train_losses
 
-from nvfp4_train.checkpoint import Checkpoints
-from nvfp4_train.config import config_from_dict
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.run import evaluate_run, load_run_config, run
+from nvfp4_train.training.run import evaluate_run, load_run_config, run
 
 STEPS = 60
 SECTIONS = {

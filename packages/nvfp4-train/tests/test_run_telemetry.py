@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.metrics import read_metrics
-from nvfp4_train.run import run
+from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.observe.metrics import read_metrics
+from nvfp4_train.training.run import run
 
 STEPS = 4
 ROLES = {"fprop_x", "fprop_w", "dgrad_dy", "wgrad_x", "wgrad_dy"}  # 2D weights: no dgrad_w

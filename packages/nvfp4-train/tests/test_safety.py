@@ -14,14 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from nvfp4_train.checkpoint import Checkpoints, CorruptCheckpoint
+from nvfp4_train.checkpoint.checkpoints import Checkpoints, CorruptCheckpoint
+from nvfp4_train.checkpoint.run_dir import make_run_dir, run_lock
 from nvfp4_train.cli import main
-from nvfp4_train.config import ConfigError, config_from_dict, load_config
+from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
 from nvfp4_train.errors import RunError
-from nvfp4_train.metrics import MetricsFile
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.run import load_run_config, run
-from nvfp4_train.run_dir import make_run_dir, run_lock
+from nvfp4_train.observe.metrics import MetricsFile
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.training.run import load_run_config, run
 
 
 def _cfg(tiny_config, run_dir, *overrides):
@@ -93,7 +93,7 @@ def test_an_unwritable_output_dir_is_a_sentence(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from nvfp4_train.run_dir import run_lock
+from nvfp4_train.checkpoint.run_dir import run_lock
 with run_lock(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(600)
@@ -219,7 +219,7 @@ def test_flipped_bytes_on_disk_are_never_trained_on(two_checkpoints):
 
 
 def _as_dict(cfg):
-    from nvfp4_train.config_loader import to_dict
+    from nvfp4_train.config.loader import to_dict
 
     return to_dict(cfg)
 
@@ -227,8 +227,8 @@ def _as_dict(cfg):
 def test_integrity_is_the_same_on_any_mesh_and_catches_one_bit():
     import jax.numpy as jnp
 
-    from nvfp4_train.integrity import state_integrity
-    from nvfp4_train.step import TrainState
+    from nvfp4_train.checkpoint.integrity import state_integrity
+    from nvfp4_train.training.step import TrainState
 
     params = {"w": jnp.arange(64, dtype=jnp.float32).reshape(8, 8)}
     state = TrainState(jnp.zeros((), jnp.int32), params, {"count": jnp.int32(3)}, {})

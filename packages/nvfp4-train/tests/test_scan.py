@@ -37,17 +37,17 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from run_steps import initial, probe_of, run_optimizer, train_step_of
 
-import nvfp4_train.model_config
-from nvfp4_train.checkpoint import Checkpoints
-from nvfp4_train.config import config_from_dict
-from nvfp4_train.model import unstacked
-from nvfp4_train.model_config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
-from nvfp4_train.policy import layer_recipes, run_layout
-from nvfp4_train.resume import abstract_state
-from nvfp4_train.run import run
-from nvfp4_train.sharding import AXES, param_spec, tree_shardings
-from nvfp4_train.stacking import LayerLayout, canonical_path, is_stacked, runs_of
-from nvfp4_train.step import flat_amax, forward, model_graphdef, model_spec, step_key
+import nvfp4_train.model.config
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.mesh.sharding import AXES, param_spec, tree_shardings
+from nvfp4_train.model.config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
+from nvfp4_train.model.decoder import unstacked
+from nvfp4_train.model.stacking import LayerLayout, canonical_path, is_stacked, runs_of
+from nvfp4_train.precision.policy import layer_recipes, run_layout
+from nvfp4_train.training.resume import abstract_state
+from nvfp4_train.training.run import run
+from nvfp4_train.training.step import flat_amax, forward, model_graphdef, model_spec, step_key
 
 HERE = Path(__file__).resolve().parent
 
@@ -143,7 +143,7 @@ def test_layout_follows_the_precision_policy_its_overrides_and_no_decay():
     entries = lambda cfg: [key for key, _, _ in run_layout(cfg).entries]  # noqa: E731
     assert entries(scan_cfg(layers=8)) == ["0", "1-6", "7"]
     assert entries(scan_cfg(layers=8, scan=False)) == [str(i) for i in range(8)]
-    auto_scans_4 = nvfp4_train.model_config.AUTO_SCAN_LAYERS <= 4  # 8, unless --scan-layers-from
+    auto_scans_4 = nvfp4_train.model.config.AUTO_SCAN_LAYERS <= 4  # 8, unless --scan-layers-from
     assert entries(scan_cfg(layers=4, scan="auto")) == (
         ["0", "1-2", "3"] if auto_scans_4 else ["0", "1", "2", "3"]
     )

@@ -20,11 +20,11 @@ from run_reading import last_step, saved_params, start_run, train_losses, val_lo
 import nvfp4_ops
 from nvfp4_ops.recipe import compose
 from nvfp4_train.cli import main
-from nvfp4_train.config import config_from_dict, load_config
-from nvfp4_train.config_loader import to_dict, to_yaml
+from nvfp4_train.config.loader import to_dict, to_yaml
+from nvfp4_train.config.run_config import config_from_dict, load_config
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.model_config import ModelConfig, linear_paths
-from nvfp4_train.policy import (
+from nvfp4_train.model.config import ModelConfig, linear_paths
+from nvfp4_train.precision.policy import (
     PrecisionConfig,
     bf16_forward_start,
     export_recipe_names,
@@ -33,9 +33,9 @@ from nvfp4_train.policy import (
     precision_phases,
     run_layout,
 )
-from nvfp4_train.resume import check_same_model
-from nvfp4_train.run import run
-from nvfp4_train.schedule import ScheduleRule, phase_index
+from nvfp4_train.precision.schedule import ScheduleRule, phase_index
+from nvfp4_train.training.resume import check_same_model
+from nvfp4_train.training.run import run
 
 NV, BF16 = nvfp4_ops.get_recipe("nvfp4"), nvfp4_ops.get_recipe("bf16")
 THREE_PHASES = (

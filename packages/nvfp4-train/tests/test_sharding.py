@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from nvfp4_train.config import ConfigError, config_from_dict
-from nvfp4_train.metrics import read_metrics
-from nvfp4_train.sharding import AXES, MeshConfig, batch_sharding, param_spec, tree_shardings
+from nvfp4_train.config.run_config import ConfigError, config_from_dict
+from nvfp4_train.mesh.sharding import AXES, MeshConfig, batch_sharding, param_spec, tree_shardings
+from nvfp4_train.observe.metrics import read_metrics
 
 MESH_2x2x2 = AbstractMesh((2, 2, 2), AXES)
 

@@ -12,11 +12,11 @@ import optax
 import pytest
 from run_steps import eval_step_of, initial, run_optimizer, train_step_of
 
-from nvfp4_train.config import ConfigError, config_from_dict
-from nvfp4_train.model import unstacked
-from nvfp4_train.model_config import linear_paths
-from nvfp4_train.policy import run_layout
-from nvfp4_train.step import (
+from nvfp4_train.config.run_config import ConfigError, config_from_dict
+from nvfp4_train.model.config import linear_paths
+from nvfp4_train.model.decoder import unstacked
+from nvfp4_train.precision.policy import run_layout
+from nvfp4_train.training.step import (
     TrainState,
     count_params,
     flat_amax,
@@ -255,7 +255,7 @@ def _linear_inputs(cfg, params, inputs_BxL):
     """Inputs (compute dtype) of layers.0.attn.qkv and layers.0.mlp.gate_up, computed directly."""
     from flax import nnx
 
-    from nvfp4_train.model import _layer_keys
+    from nvfp4_train.model.decoder import _layer_keys
 
     graphdef, _ = compiled(cfg)
     model = unstacked(nnx.merge(graphdef, params))
@@ -295,7 +295,7 @@ def test_activation_amax_is_max_reduced_over_microbatches():
 
 
 def test_skipped_or_nonfinite_steps_leave_the_running_amax():
-    from nvfp4_train.step import _updated_amax
+    from nvfp4_train.training.step import _updated_amax
 
     old = {"a": jnp.float32(2.0), "b": jnp.float32(2.0), "c": jnp.float32(2.0)}
     new = {"a": jnp.float32(3.0), "b": jnp.float32(jnp.inf), "c": jnp.float32(1.0)}

@@ -46,7 +46,7 @@ ARCHITECTURE_OPTIONS = {
 """`model_type` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class can build: Llama's and
 Qwen 3's `attention_bias` switches the q/k/v and o_proj biases together, Qwen 2 always has q/k/v
 biases and no o_proj bias, Mistral has none; only Qwen 3 has q/k norms. The same table as
-training's `ModelConfig` check (nvfp4_train.model_config.ARCHITECTURE_OPTIONS), kept here
+training's `ModelConfig` check (nvfp4_train.model.config.ARCHITECTURE_OPTIONS), kept here
 because export never imports training; integration_tests/test_policy_agreement.py keeps them equal."""
 
 

@@ -6,7 +6,7 @@ UNTESTED ON HARDWARE. What is verified, and where:
   parsed, not imported: TE's JAX package needs CUDA to import);
 - on the user's machine, `nvfp4-train run` compares it with the reference attention (outputs and
   gradients, with documents and grouped-query heads) before a run uses it
-  (`nvfp4_train.attention_check`), and leaves it out if they disagree or it crashes.
+  (`nvfp4_train.precision.attention_check`), and leaves it out if they disagree or it crashes.
 
 Causal grouped-query attention over packed documents is TE's THD layout (q, k and v each
 [B, L, heads, head_dim], documents packed in each row) with a padding-causal mask: TE's
@@ -54,7 +54,7 @@ def te_attention_support(*, platform: str, dtype, head_dim: int) -> tuple[bool, 
     """(whether TE's fused attention can run here, why not): an NVIDIA GPU, TE >= 2.14 importable,
     bfloat16/float16, a head size cuDNN takes. Whether cuDNN has a kernel for a run's exact shape
     (sequence length, grouped heads, documents) shows when it runs: `nvfp4-train run` runs it on
-    the run's heads before step 1 and leaves it out if it fails (`nvfp4_train.attention_check`).
+    the run's heads before step 1 and leaves it out if it fails (`nvfp4_train.precision.attention_check`).
 
     Args:
       platform: `jax.default_backend()`.

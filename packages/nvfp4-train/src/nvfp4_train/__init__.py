@@ -8,8 +8,9 @@ Example:
     >>> summary = run(cfg)  # doctest: +SKIP
 """
 
-from nvfp4_train.checkpoint import Checkpoints, Restored
-from nvfp4_train.config import (
+from nvfp4_train.checkpoint.checkpoints import Checkpoints, Restored
+from nvfp4_train.config.loader import to_dict, to_yaml
+from nvfp4_train.config.run_config import (
     CheckpointConfig,
     Config,
     LoggingConfig,
@@ -17,21 +18,20 @@ from nvfp4_train.config import (
     config_from_dict,
     load_config,
 )
-from nvfp4_train.config_loader import to_dict, to_yaml
 from nvfp4_train.data import DataConfig, make_datasets
-from nvfp4_train.distributed import DistributedConfig
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.loss_scaling import LossScalingConfig
-from nvfp4_train.model_config import ModelConfig
-from nvfp4_train.optim import OptimizerConfig
-from nvfp4_train.plot import plot_runs
-from nvfp4_train.policy import PrecisionConfig, precision_phases
-from nvfp4_train.resume import abstract_state, initial_state
-from nvfp4_train.run import RunSummary, evaluate_run, load_run_config, run
-from nvfp4_train.schedule import PrecisionPhase, ScheduleRule, format_schedule
-from nvfp4_train.sharding import MeshConfig, make_mesh
-from nvfp4_train.step import ModelSpec, init_state, model_spec, with_vocab_size
-from nvfp4_train.telemetry import capture_linear_operands
+from nvfp4_train.mesh.distributed import DistributedConfig
+from nvfp4_train.mesh.sharding import MeshConfig, make_mesh
+from nvfp4_train.model.config import ModelConfig
+from nvfp4_train.observe.plot import plot_runs
+from nvfp4_train.observe.telemetry import capture_linear_operands
+from nvfp4_train.optim.loss_scaling import LossScalingConfig
+from nvfp4_train.optim.optimizer import OptimizerConfig
+from nvfp4_train.precision.policy import PrecisionConfig, precision_phases
+from nvfp4_train.precision.schedule import PrecisionPhase, ScheduleRule, format_schedule
+from nvfp4_train.training.resume import abstract_state, initial_state
+from nvfp4_train.training.run import RunSummary, evaluate_run, load_run_config, run
+from nvfp4_train.training.step import ModelSpec, init_state, model_spec, with_vocab_size
 
 __all__ = [
     "CheckpointConfig",

@@ -28,10 +28,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nvfp4_train.config import load_config
-from nvfp4_train.config_loader import to_yaml
+from nvfp4_train.config.loader import to_yaml
+from nvfp4_train.config.run_config import load_config
 from nvfp4_train.errors import ConfigError, DataError, RunError
-from nvfp4_train.hf_config import HFConfigError
+from nvfp4_train.model.hf_config import HFConfigError
 from nvfp4_train.prepare_cli import add_parser as add_prepare_parser
 
 EXIT_USAGE = 2
@@ -105,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nvfp4_train.distributed import initialize_from
-    from nvfp4_train.run import run
+    from nvfp4_train.mesh.distributed import initialize_from
+    from nvfp4_train.training.run import run
 
     cfg = load_config(args.config, args.overrides)
     initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
@@ -115,9 +115,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    from nvfp4_train.model_config import linear_paths
-    from nvfp4_train.policy import precision_phases
-    from nvfp4_train.schedule import format_schedule
+    from nvfp4_train.model.config import linear_paths
+    from nvfp4_train.precision.policy import precision_phases
+    from nvfp4_train.precision.schedule import format_schedule
 
     cfg = load_config(args.config, args.overrides)
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
@@ -126,7 +126,7 @@ def _show_config(args: argparse.Namespace) -> int:
     if args.memory or args.devices is not None:
         import jax
 
-        from nvfp4_train.memory import (
+        from nvfp4_train.training.memory import (
             estimate_memory,
             format_attention_choices,
             format_estimate,
@@ -142,14 +142,14 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from nvfp4_train.run import evaluate_run
+    from nvfp4_train.training.run import evaluate_run
 
     evaluate_run(args.run_dir, forward=args.forward)
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from nvfp4_train.plot import plot_quant, plot_runs
+    from nvfp4_train.observe.plot import plot_quant, plot_runs
 
     if args.quant and len(args.run_dirs) != 1:
         names = " ".join(str(d) for d in args.run_dirs)

@@ -5,7 +5,7 @@ The project's error types, and what `nvfp4-train` does with each: a user mistake
 `error:` line and exits 2; a run that cannot go on (`RunError` and its subclasses
 `hf_weights.HFImportError`, `checkpoint.NonFiniteState`) prints one and exits 1. Any other
 exception is a bug and keeps its traceback. (`checkpoint.CorruptCheckpoint` never reaches the
-CLI: `nvfp4_train.resume` passes over an unreadable checkpoint.)
+CLI: `nvfp4_train.training.resume` passes over an unreadable checkpoint.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 class ConfigError(ValueError):
     """A user mistake in a config file or an override (unknown key, wrong type, bad syntax, a
     rule or override that matches no linear): the CLI prints the message and exits with status 2.
-    (Also `nvfp4_train.config.ConfigError`.)"""
+    (Also `nvfp4_train.config.run_config.ConfigError`.)"""
 
 
 class RunError(RuntimeError):

@@ -1,7 +1,7 @@
 """`DataConfig`: the `data:` section of a run config (which corpus, which tokenizer, which split).
 
 Every field is a plain type (str, int, float, bool) with a default, so the generic YAML loader in
-`nvfp4_train.config` can build it from the type hints. `__post_init__` checks values only; it never
+`nvfp4_train.config.run_config` can build it from the type hints. `__post_init__` checks values only; it never
 touches the file system (paths are checked by `make_datasets`).
 
 Example:

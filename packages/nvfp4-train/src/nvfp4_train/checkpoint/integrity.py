@@ -1,0 +1,88 @@
+"""Is a train state fit to be saved, and is a restored one what was saved?
+
+`state_integrity(state)` gives, for every array of a `TrainState` but `step`, two 32-bit checksums
+of its bits, and whether every floating value is finite. A checkpoint stores them (its `integrity`
+item, docs/checkpoint-schema.md); a restore recomputes and compares them, so bytes flipped on disk
+are detected instead of trained on, and a state holding NaN or Inf is never saved.
+
+The checksums of an array x with its bits read as unsigned integers u (64-bit values folded to
+32 bits as hi ^ lo, narrower ones zero-extended): s1 = sum(u) mod 2^32 and
+s2 = sum(u * 0x9E3779B1 mod 2^32) mod 2^32. Integer sums in any order give the same result, so
+the checksums do not depend on the device mesh, and any single flipped bit changes s1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import keystr
+
+from nvfp4_train.mesh.sharding import host_value
+
+ALGORITHM = "u32-sum+golden-sum"
+GOLDEN = 0x9E3779B1
+
+
+def _as_u32(x: jax.Array) -> jax.Array:
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
+    if bits == 64:
+        return (u >> 32).astype(jnp.uint32) ^ u.astype(jnp.uint32)
+    return u.astype(jnp.uint32)
+
+
+def _checksums(x: jax.Array) -> jax.Array:
+    """uint32 [2]: (s1, s2) of `x` (see the module docstring)."""
+    u = _as_u32(x).reshape(-1)
+    mixed = u * jnp.uint32(GOLDEN)
+    return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
+
+def _items(state: Any) -> dict[str, Any]:
+    return {name: getattr(state, name) for name in state._fields if name != "step"}
+
+
+@jax.jit
+def _integrity(items: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array]:
+    flat = jax.tree_util.tree_flatten_with_path(items)[0]
+    sums = {keystr(path, simple=True, separator="."): _checksums(leaf) for path, leaf in flat}
+    floats = [leaf for _, leaf in flat if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f)) for f in floats])) if floats else True
+    return sums, jnp.asarray(finite)
+
+
+def state_integrity(state: Any) -> dict[str, Any]:
+    """{"algorithm", "finite": bool, "checksums": {item.path: [s1, s2]}} of a TrainState."""
+    sums, finite = jax.tree.map(host_value, _integrity(_items(state)))
+    return {
+        "algorithm": ALGORITHM,
+        "finite": bool(finite),
+        "checksums": {path: [int(v[0]), int(v[1])] for path, v in sums.items()},
+    }
+
+
+def integrity_problems(state: Any, saved: dict[str, Any] | None) -> list[str]:
+    """What is wrong with a restored state: non-finite values, checksums that differ from the
+    `saved` integrity item (None for a checkpoint written before checksums: finiteness only)."""
+    now = state_integrity(state)
+    problems = [] if now["finite"] else ["it holds NaN or Inf"]
+    if saved is None:
+        return problems
+    if saved.get("algorithm") != ALGORITHM:
+        return [
+            *problems,
+            f"its integrity item has an unknown algorithm {saved.get('algorithm')!r}",
+        ]
+    expected = saved.get("checksums", {})
+    differ = sorted(p for p in now["checksums"] if expected.get(p) != now["checksums"][p])
+    missing = sorted(set(expected) - set(now["checksums"]))
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        problems.append(f"the checksums of {shown} differ from the ones saved with it")
+    if missing:
+        problems.append(f"arrays saved with it are missing: {', '.join(missing[:3])}")
+    return problems

@@ -1,0 +1,208 @@
+"""The device mesh and the sharding rules of parameters, optimizer state, batches and activations.
+
+The mesh has three named axes: `data` (pure data parallelism: parameters replicated), `fsdp` (data
+parallelism with parameters and optimizer state sharded), `tensor` (the output features of
+`attn.qkv` / `mlp.gate_up` / `lm_head` and the input features of `attn.o` / `mlp.down`). The batch
+axis is sharded over `("data", "fsdp")`. Rules are logical: a dimension that an axis does not divide
+stays replicated along that axis. Everything else is JAX's SPMD partitioner (jit with in/out
+shardings); no collective is written by hand. The NVFP4 per-tensor amax is `jnp.max` over the
+GLOBAL array inside jit, so sharded and unsharded runs compute the same global scale.
+
+Example:
+    >>> mesh = make_mesh(MeshConfig(data=-1), jax.devices())
+    >>> dict(mesh.shape)
+    {'data': 1, 'fsdp': 1, 'tensor': 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.model.stacking import is_stacked
+from nvfp4_train.tree_paths import key_names
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# kernel [in, out] rules by the last path component of its module (embedding is [vocab, d_model])
+_RULES = {
+    "embedding": ("tensor", "fsdp"),
+    "qkv": ("fsdp", "tensor"),
+    "gate_up": ("fsdp", "tensor"),
+    "lm_head": ("fsdp", "tensor"),
+    "o": ("tensor", "fsdp"),
+    "down": ("tensor", "fsdp"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the mesh axes; their product is the number of devices (all processes together).
+
+    Attributes:
+        data: data-parallel replicas; -1 = all devices the other axes leave.
+        fsdp: fully-sharded data parallelism (parameters and optimizer state split); -1 as above.
+        tensor: tensor parallelism inside the linears; -1 as above.
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {a: getattr(self, a) for a in AXES}
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ValueError(f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}")
+        if list(sizes.values()).count(-1) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+
+    def resolve(self, device_count: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) sizes for `device_count` devices.
+
+        Raises:
+            ConfigError: the sizes do not multiply to `device_count`.
+        """
+        sizes = [getattr(self, a) for a in AXES]
+        fixed = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if device_count % fixed:
+                raise ConfigError(
+                    f"mesh: the fixed axes ({fixed} devices) must divide the {device_count} "
+                    f"devices, got {dict(zip(AXES, sizes, strict=True))}"
+                )
+            sizes = [device_count // fixed if s == -1 else s for s in sizes]
+        if math.prod(sizes) != device_count:
+            raise ConfigError(
+                f"mesh: data * fsdp * tensor must equal the {device_count} devices, got "
+                f"{dict(zip(AXES, sizes, strict=True))}"
+            )
+        return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
+    """The `(data, fsdp, tensor)` mesh over `devices` (e.g. `jax.devices()`, all processes).
+
+    Raises:
+        ConfigError: `cfg` does not fit `len(devices)` devices (`MeshConfig.resolve`).
+    """
+    shape = cfg.resolve(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), AXES)
+
+
+def _fit(spec: Sequence[str | tuple | None], shape: Sequence[int], mesh: Mesh) -> P:
+    """`spec` with every axis that does not divide its dimension dropped (that dim replicated)."""
+    fitted = []
+    for axes, dim in zip(spec, shape, strict=True):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        names = tuple(a for a in names if mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in names)
+        fitted.append(names if names and dim % size == 0 else None)
+    return P(*[(n[0] if len(n) == 1 else n) if n else None for n in fitted])
+
+
+def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:
+    """The PartitionSpec of the parameter at `path` (e.g. `("layers", "0", "attn", "qkv",
+    "kernel")`); norm scales and unknown leaves are replicated. A stacked block's parameter
+    (`("layers", "1-30", ...)`, a leading layer axis) is split like one layer's, never along
+    the layer axis."""
+    if is_stacked(path) and len(shape) >= 1:
+        return P(None, *param_spec(path[-2:], shape[1:], mesh))
+    owner = path[-2] if len(path) >= 2 and path[-1] in ("kernel", "embedding") else None
+    if path and path[-1] == "embedding":
+        owner = "embedding"
+    rule = _RULES.get(owner) if owner else None
+    if rule is None or len(shape) != 2:
+        return P()
+    return _fit(rule, shape, mesh)
+
+
+def tree_shardings(tree: Any, params: Any, mesh: Mesh) -> Any:
+    """NamedShardings for `tree` (params, a train state, ...): a leaf whose key path ends with a
+    parameter's path and has its shape gets that parameter's spec (so Adam's `mu`/`nu` follow the
+    parameters); every other leaf (counters, scalars) is replicated."""
+    by_path = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = key_names(key_path)
+        by_path[names] = (tuple(leaf.shape), param_spec(names, leaf.shape, mesh))
+
+    def sharding(key_path, leaf) -> NamedSharding:
+        names = key_names(key_path)
+        for start in range(len(names)):
+            match = by_path.get(names[start:])
+            if match is not None and match[0] == tuple(getattr(leaf, "shape", ())):
+                return NamedSharding(mesh, match[1])
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
+
+
+def batch_sharding(mesh: Mesh, batch_size: int) -> NamedSharding:
+    """[batch, length] arrays: rows split over `data` x `fsdp` (replicated if they do not divide)."""
+    return NamedSharding(mesh, _fit((BATCH_AXES, None), (batch_size, 1), mesh))
+
+
+def logits_sharding(mesh: Mesh, batch_size: int, vocab_size: int) -> NamedSharding:
+    """[batch, length, vocab] activations: rows over `data` x `fsdp`, vocab over `tensor`."""
+    return NamedSharding(
+        mesh, _fit((BATCH_AXES, None, "tensor"), (batch_size, 1, vocab_size), mesh)
+    )
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes of `tree`'s leaves held by ONE device (the first addressable shard of each array)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shards = getattr(leaf, "addressable_shards", None)
+        if shards:
+            total += shards[0].data.nbytes
+        else:
+            total += np.asarray(leaf).nbytes
+    return total
+
+
+def shard_state(state: Any, mesh: Mesh) -> tuple[Any, Any]:
+    """(state placed on `mesh` by `tree_shardings`, those shardings)."""
+    shardings = tree_shardings(state, state.params, mesh)
+    return jax.device_put(state, shardings), shardings
+
+
+def global_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """The whole batch (the same host copy on every process) as global arrays with `sharding`;
+    each process transfers only the rows its own devices hold."""
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+        for k, v in batch.items()
+    }
+
+
+def host_value(x: Any) -> np.ndarray:
+    """A NumPy copy of a replicated (or single-process) array, on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
+def activation_constraint(mesh: Mesh | None) -> Callable[[str, jax.Array], jax.Array]:
+    """`constrain(kind, x)`: `with_sharding_constraint` of a batch ("tokens" [B, L]) or logits
+    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp, vocab over tensor);
+    the identity without a mesh."""
+
+    def constrain(kind: str, x: jax.Array) -> jax.Array:
+        if mesh is None:
+            return x
+        if kind == "tokens":
+            return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape[0]))
+        sharding = logits_sharding(mesh, x.shape[0], x.shape[-1])
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return constrain

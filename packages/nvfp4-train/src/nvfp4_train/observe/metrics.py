@@ -1,0 +1,384 @@
+"""Where a run's numbers go: `metrics.jsonl`, TensorBoard, and the terminal.
+
+`metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`,
+`grad_norm`, `tokens_per_s`, `step_time_s`, `skipped_steps` (cumulative),
+`model_tflops_per_device` and, on a device whose peak is known, `mfu` (and `mfu_fp4`; see
+`nvfp4_train.model.flops`); rows at evaluation steps also carry `val_loss`; `nvfp4-train eval` appends
+rows with `step`, `val_loss` and `source: "eval"`. With `logging.quant_stats_every`, telemetry
+rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`) sit between them;
+readers pick rows by the keys they need.
+
+Example:
+    >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
+    ...                        step=10, seconds=0.5, tokens=1024, skipped_total=0)
+    >>> format_row(row)
+    'step 10  loss 2.0000  lr 1.00e-03  grad_norm 1.000  tok/s 2048  skipped 0'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def summarize_window(
+    step_metrics: Sequence[Mapping[str, float]],
+    *,
+    step: int,
+    seconds: float,
+    tokens: int,
+    skipped_total: int,
+) -> dict[str, Any]:
+    """One metrics row from the per-step metrics of the steps since the last row.
+
+    Args:
+        step_metrics: host values of each step's `loss`, `grad_norm`, `lr`, `skipped`.
+        step: the step count after the last of those steps.
+        seconds: wall time those steps took.
+        tokens: tokens those steps consumed.
+        skipped_total: non-finite steps skipped since the start of the run.
+
+    Returns:
+        The row: mean `loss` and `grad_norm` over the window, the last `lr`, throughput and timing.
+    """
+    if not step_metrics:
+        raise ValueError("step_metrics must hold at least one step, got none")
+    n = len(step_metrics)
+    return {
+        "step": int(step),
+        "loss": float(sum(m["loss"] for m in step_metrics) / n),
+        "lr": float(step_metrics[-1]["lr"]),
+        "grad_norm": float(sum(m["grad_norm"] for m in step_metrics) / n),
+        "tokens_per_s": float(tokens / seconds) if seconds > 0 else 0.0,
+        "step_time_s": float(seconds / n),
+        "skipped_steps": int(skipped_total),
+    }
+
+
+_ROW_FIELDS = (
+    ("loss", "loss", "{:.4f}"),
+    ("val_loss", "val_loss", "{:.4f}"),
+    ("lr", "lr", "{:.2e}"),
+    ("grad_norm", "grad_norm", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("model_tflops_per_device", "TFLOP/s/dev", "{:.3g}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("skipped_steps", "skipped", "{}"),
+)
+"""(metrics key, label, format) of the fields `format_row` shows, in order."""
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    """A one-line, human-readable view of a metrics row (for plain logs)."""
+    parts = [f"step {row['step']}"]
+    parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in _ROW_FIELDS if key in row]
+    if "quant" in row:
+        parts.append(summarize_quant(row["quant"]))
+    return "  ".join(parts)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats are written as null (also inside mappings)."""
+    if isinstance(value, Mapping):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------- quant telemetry
+
+
+def _host_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def quant_row(step: int, stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The metrics row of one telemetry probe: `{"step": step, "quant": {path: {role: {stat:
+    float}}}}`, from the probe's output (device or host scalars; None stays None)."""
+    quant = {
+        path: {
+            role: {stat: _host_float(v) for stat, v in values.items()}
+            for role, values in roles.items()
+        }
+        for path, roles in stats.items()
+    }
+    return {"step": int(step), "quant": quant}
+
+
+def _worst(quant: Mapping[str, Any], stat: str) -> tuple[float, str, str] | None:
+    """(value, path, role) of the largest `stat`, a non-finite or null one counting as inf;
+    None when no role carries `stat`."""
+    worst = None
+    for path, roles in quant.items():
+        for role, values in roles.items():
+            if stat not in values:
+                continue
+            value = None if values[stat] is None else float(values[stat])
+            rank = value if value is not None and math.isfinite(value) else math.inf
+            if worst is None or rank > worst[0]:
+                worst = (rank, path, role)
+    return worst
+
+
+def _short(value: float) -> str:
+    return f"{value:.3g}" if math.isfinite(value) else "non-finite"
+
+
+def summarize_quant(stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """One short phrase for the progress line: the layer and role with the largest relative
+    error, plus the largest underflow and saturation fractions.
+
+    Example:
+        >>> summarize_quant({"layers.3.mlp.down": {"wgrad_dy": {"rel_error": 0.142,
+        ...                  "underflow": 0.0, "saturation": 0.035}}})
+        'quant worst layers.3.mlp.down wgrad_dy err 0.142  max uf 0  sat 0.035'
+    """
+    worst = _worst(stats, "rel_error")
+    if worst is None:
+        return "quant -"
+    parts = [f"quant worst {worst[1]} {worst[2]} err {_short(worst[0])}"]
+    maxima = [(label, _worst(stats, stat)) for stat, label in (("underflow", "uf"),
+              ("saturation", "sat"))]  # fmt: skip
+    shown = [f"{label} {_short(w[0])}" for label, w in maxima if w is not None]
+    if shown:
+        parts.append("max " + "  ".join(shown))
+    return "  ".join(parts)
+
+
+# --------------------------------------------------------------------------- metrics.jsonl
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a `metrics.jsonl` file (an empty list when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> int:
+    """Drops rows after `last_step` (written past a checkpoint before a restart); returns how many."""
+    path = Path(path)
+    rows = read_metrics(path)
+    kept = [r for r in rows if r.get("step", 0) <= last_step]
+    if len(kept) != len(rows):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    return len(rows) - len(kept)
+
+
+class MetricsFile:
+    """Appends rows to a `metrics.jsonl` file, flushing after each row.
+
+    If the file disappears while the run writes it (deleted, or replaced by another file), the
+    next row says so through `say` and starts a new file at the same path, instead of writing
+    on into the deleted one where nobody can read it.
+    """
+
+    def __init__(self, path: str | Path, say: Callable[[str], None] = print) -> None:
+        self.path = Path(path)
+        self._say = say
+        self._open()
+
+    def _open(self) -> None:
+        self._file = self.path.open("a")
+        self._identity = os.fstat(self._file.fileno())[1:3]  # (inode, device)
+
+    def _still_ours(self) -> bool:
+        try:
+            return os.stat(self.path)[1:3] == self._identity
+        except FileNotFoundError:
+            return False
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        """Writes one row (non-finite floats become null)."""
+        if not self._still_ours():
+            self._file.close()
+            self._say(
+                f"warning: {self.path} disappeared (deleted or replaced) while this run wrote it; "
+                f"the rows before step {row.get('step')} went with it. Starting a new one."
+            )
+            self._open()
+        self._file.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Closes the file."""
+        self._file.close()
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoard:
+    """Scalars of each metrics row as TensorBoard events (tensorboardX) under `logdir`.
+
+    Args:
+        logdir: the event file directory.
+        purge_step: on resume, the first step to be written again (older events after it are hidden).
+    """
+
+    def __init__(self, logdir: str | Path, *, purge_step: int | None = None) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        """Adds every numeric field but `step` as a scalar at `row['step']`; a telemetry row's
+        values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped)."""
+        step = int(row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self._writer.add_scalar(
+                    f"train/{key}" if key != "val_loss" else "val/loss", value, step
+                )
+        for path, roles in row.get("quant", {}).items():
+            for role, values in roles.items():
+                for stat, value in values.items():
+                    if value is not None:
+                        self._writer.add_scalar(f"quant/{path}/{role}/{stat}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self._writer.close()
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class PlainProgress:
+    """Progress as plain log lines (for files, CI logs, pipes)."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO) -> None:
+        self._total, self._stream = total, stream
+
+    def update(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """Prints the row, if any, as a log line."""
+        if row is not None:
+            print(f"[{step}/{self._total}] {format_row(row)}", file=self._stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """Prints a line."""
+        print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class RichProgress:
+    """A rich progress bar with the latest loss and tokens/s; rows also print above the bar."""
+
+    def __init__(self, total: int, initial: int, stream: TextIO) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=stream),
+        )
+        self._task = self._progress.add_task(
+            "train", total=total, completed=initial, loss="-", tps="-"
+        )
+        self._progress.start()
+
+    def update(self, step: int, row: Mapping[str, Any] | None = None) -> None:
+        """Moves the bar to `step`; a row updates the loss and tokens/s fields and is printed."""
+        fields = {}
+        if row is not None and "loss" in row:
+            fields = {"loss": f"{row['loss']:.4f}", "tps": f"{row.get('tokens_per_s', 0):.0f}"}
+        if row is not None and "val_loss" in row:
+            self._progress.console.print(format_row(row))
+        self._progress.update(self._task, completed=step, **fields)
+
+    def message(self, text: str) -> None:
+        """Prints a line above the bar."""
+        self._progress.console.print(text, highlight=False, markup=False)
+
+    def close(self) -> None:
+        """Stops the bar."""
+        self._progress.stop()
+
+
+def make_progress(
+    mode: Literal["auto", "rich", "plain"],
+    *,
+    total: int,
+    initial: int = 0,
+    stream: TextIO | None = None,
+) -> PlainProgress | RichProgress:
+    """The progress display for `mode`; "auto" is rich on a terminal and plain otherwise."""
+    stream = sys.stdout if stream is None else stream
+    if mode not in ("auto", "rich", "plain"):
+        raise ValueError(f"mode must be 'auto', 'rich' or 'plain', got {mode!r}")
+    use_rich = mode == "rich" or (mode == "auto" and stream.isatty())
+    cls = RichProgress if use_rich else PlainProgress
+    return cls(total, initial, stream)
+
+
+class RunOutputs:
+    """A run's writers: metrics.jsonl, TensorBoard (process 0 only: one writer per run
+    directory) and the progress display.
+
+    Args:
+        logging: the `logging:` section (TensorBoard on/off, progress kind).
+        total_steps, start: the run's `train.steps` and the step it starts from.
+        metrics_path, tensorboard_dir: where rows go.
+        stream: where progress goes.
+        primary: whether this process writes files.
+    """
+
+    def __init__(self, logging: Any, *, total_steps: int, start: int, metrics_path: Path,
+                 tensorboard_dir: Path, stream: TextIO, primary: bool) -> None:  # fmt: skip
+        self.progress = make_progress(
+            logging.progress, total=total_steps, initial=start, stream=stream
+        )
+        self.metrics = MetricsFile(metrics_path, say=self.progress.message) if primary else None
+        self.tensorboard = None
+        if logging.tensorboard and primary:
+            self.tensorboard = TensorBoard(tensorboard_dir, purge_step=start + 1 if start else None)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.append(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """A training row: to metrics.jsonl, TensorBoard and the progress display."""
+        self._append(row)
+        self.progress.update(row["step"], row)
+
+    def write_quant(self, row: dict[str, Any]) -> None:
+        """A telemetry row: to metrics.jsonl and TensorBoard, its summary to the progress."""
+        self._append(row)
+        self.progress.message(f"[{row['step']}] {format_row(row)}")
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

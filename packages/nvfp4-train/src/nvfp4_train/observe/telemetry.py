@@ -1,0 +1,180 @@
+"""Per-linear quantization telemetry: each linear's GEMM operands, and their NVFP4 statistics.
+
+`capture_linear_operands` runs the model once in the capture mode of `QuantLinear` (on a merged
+copy, inside the traced function) and returns, per linear, the three tensors its GEMMs quantize:
+the input x, the kernel w and the incoming gradient dy. `make_quant_probe` turns them into
+`nvfp4_ops.gemm_operand_stats` per quantized linear and GEMM operand role. The train step is not
+touched: its graph is the same whether or not a probe exists, and a probe changes no state.
+
+Example:
+    >>> probe = jax.jit(make_quant_probe(graphdef, cfg.model))  # doctest: +SKIP
+    >>> stats = probe(state.params, batch, step_key(cfg.train.seed, state.step))  # doctest: +SKIP
+    >>> stats["layers.1.mlp.down"]["wgrad_dy"]["rel_error"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import nvfp4_ops
+from nvfp4_train.mesh.sharding import activation_constraint
+from nvfp4_train.model.config import LINEAR_NAMES, ModelConfig
+from nvfp4_train.model.decoder import linear_keys, unstacked
+from nvfp4_train.model.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
+from nvfp4_train.tree_paths import flat_paths
+
+Batch = dict[str, jax.Array]
+Operands = tuple[jax.Array, jax.Array, jax.Array]
+QuantStats = dict[str, dict[str, dict[str, jax.Array]]]
+"""{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`."""
+
+
+def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
+    """The leaves named `name`, keyed by their parent's dotted path (`tree_paths.flat_paths`):
+    {"layers": {"0": {"attn": {"qkv": {name: v}}}}} -> {"layers.0.attn.qkv": v}."""
+    suffix = f".{name}"
+    flat = flat_paths(tree)
+    return {path.removesuffix(suffix): leaf for path, leaf in flat.items() if path.endswith(suffix)}
+
+
+def _capturing_model(graphdef: nnx.GraphDef, params) -> nnx.Module:
+    """A fresh merged model, one Block per layer (`model.unstacked`: the capture mode runs
+    unscanned and without remat), whose `QuantLinear`s are in capture mode (the graphdef is
+    unchanged)."""
+    model = unstacked(nnx.merge(graphdef, params))
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, QuantLinear):
+            module.capture_operands = True
+    return model
+
+
+def capture_linear_operands(
+    graphdef: nnx.GraphDef,
+    params,
+    batch: Batch,
+    key: jax.Array | None = None,
+    *,
+    constrain: Callable[[str, jax.Array], jax.Array] | None = None,
+) -> dict[str, Operands]:
+    """Each linear's GEMM operands on `batch`: {module path: (x, w, dy)}.
+
+    Args:
+        graphdef: The model's graphdef (from `init_state`).
+        params: Its parameters (pure dict, as `TrainState.params`).
+        batch: {"inputs": int [B, L], "targets": int [B, L]}.
+        key: The stochastic-rounding key the model call gets (as `Llama.__call__`'s `key`); it
+            changes dy only through the rounding of the gradients flowing into it.
+        constrain: `sharding.activation_constraint(mesh)` to shard tokens and logits as the train
+            step (None: no constraint).
+
+    Returns:
+        {path: (x, w, dy)} for every path of `model.linear_paths`, e.g. `layers.3.mlp.down`:
+        x [B, L, in] the input as the GEMM receives it (compute dtype), w [in, out] the kernel in
+        the compute dtype, dy [B, L, out] (compute dtype) the gradient of the mean token
+        cross-entropy of `batch` (unscaled: no loss scale, no microbatch division) w.r.t. the
+        linear's output. Unjitted the paths come in model order; a jitted call returns the
+        dict key-sorted (as JAX returns every dict), so iterate over `linear_paths` for order.
+    """
+    missing = sorted({"inputs", "targets"} - set(batch))
+    if missing:
+        raise ValueError(
+            f"batch must hold 'inputs' and 'targets', got keys {sorted(batch)}; missing {missing}"
+        )
+    constrain = activation_constraint(None) if constrain is None else constrain
+    documents = {
+        "segment_ids_BxL": batch.get("segment_ids"),
+        "positions_BxL": batch.get("positions"),
+    }
+
+    def loss(perturbations):
+        model = _capturing_model(graphdef, params)
+        forward = nnx.capture(model, LinearOperand, nnx.Perturbation, init=perturbations)
+        inputs_BxL = constrain("tokens", batch["inputs"])
+        logits_BxLxV, operands, _ = forward(inputs_BxL, key=key, **documents)
+        logits_BxLxV = constrain("logits", logits_BxLxV)
+        losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+        return losses_BxL.mean(), operands
+
+    def zero_perturbations():
+        model = _capturing_model(graphdef, params)
+        forward = nnx.capture(model, nnx.Perturbation)
+        return forward(batch["inputs"], key=key, **documents)[1]
+
+    shapes = jax.eval_shape(zero_perturbations)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    grads, operands = jax.grad(loss, has_aux=True)(zeros)
+    operands, grads = nnx.to_pure_dict(operands), nnx.to_pure_dict(grads)
+    xs, ws, dys = _flat(operands, OPERAND_X), _flat(operands, OPERAND_W), _flat(grads, OUTPUT_GRAD)
+    return {path: (xs[path], ws[path], dys[path]) for path in sorted(xs, key=_model_order)}
+
+
+def _model_order(path: str) -> tuple[int, int]:
+    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in `LINEAR_NAMES`."""
+    _, index, name = path.split(".", 2)
+    return int(index), LINEAR_NAMES.index(name)
+
+
+def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
+    """{path: recipe} of the model's quantized linears (recipe not "bf16"), in model order."""
+    model = unstacked(nnx.merge(graphdef, params))
+    recipes = {
+        ".".join(str(p) for p in path): module.recipe
+        for path, module in nnx.iter_modules(model)
+        if isinstance(module, QuantLinear) and module.recipe.quantized
+    }
+    return {path: recipes[path] for path in sorted(recipes, key=_model_order)}
+
+
+def _first_microbatch(batch: Batch, accum: int) -> Batch:
+    """Rows [0, B / accum) of every array: the train step's microbatch 0."""
+    rows = batch["inputs"].shape[0]
+    if rows % accum:
+        raise ValueError(
+            f"batch size must be a multiple of train.grad_accum_steps={accum}, got {rows}"
+        )
+    return {name: x[: rows // accum] for name, x in batch.items()}
+
+
+def make_quant_probe(
+    graphdef: nnx.GraphDef, model: ModelConfig, *, grad_accum_steps: int = 1, mesh=None
+) -> Callable[[Any, Batch, jax.Array], QuantStats]:
+    """Returns the pure `probe(params, batch, key) -> {path: {role: {stat: scalar}}}`; jit it.
+
+    The probe sees exactly what the train step's first microbatch quantizes: the same graphdef
+    (so the same recipes, `bf16_forward` included), rows [0, batch_size / grad_accum_steps) of
+    `batch`, and the key `fold_in(key, 0)` split per linear as `Llama.__call__` splits it, so the
+    stochastic-rounding draws are the train step's. dy is the gradient of that microbatch's mean
+    loss (no loss scale, no 1/grad_accum_steps): amax of the dy roles differs from the train
+    step's by that factor; the other statistics are scale-free. Linears whose recipe is "bf16"
+    are left out.
+
+    Args:
+        graphdef: The graphdef the train step runs.
+        model: The `model` section it was built from (for the per-linear keys).
+        grad_accum_steps: The train step's microbatches per step (`train.grad_accum_steps`).
+        mesh: The train step's mesh, to shard tokens and logits the same way (None: no mesh).
+
+    Returns:
+        `probe(params, batch, key)`, with `key` the train step's `step.step_key(seed, step)`
+        (step = completed steps, i.e. `state.step` of the state whose `params` are passed).
+    """
+    accum, constrain = grad_accum_steps, activation_constraint(mesh)
+
+    def probe(params, batch: Batch, key: jax.Array) -> QuantStats:
+        micro_key = jax.random.fold_in(key, 0)
+        operands = capture_linear_operands(
+            graphdef, params, _first_microbatch(batch, accum), micro_key, constrain=constrain
+        )
+        keys = linear_keys(model, micro_key)
+        return {
+            path: nvfp4_ops.gemm_operand_stats(*operands[path], recipe, keys[path])
+            for path, recipe in linear_recipes(graphdef, params).items()
+        }
+
+    return probe

@@ -1,0 +1,229 @@
+"""What a config needs per device, before any device is rented: `estimate_memory`.
+
+Parameters, optimizer state and gradients are counted exactly from the model's shapes and the
+sharding rules (`sharding.tree_shardings` on the mesh the config resolves to for `devices`).
+Activations are an analytic estimate per token of the microbatch one device runs
+(`batch_size / grad_accum_steps / (data x fsdp)` sequences), by `model.remat`:
+
+    full           the block inputs:                            d*c
+    quantized      + the FP4 operands of the quantized linears:  (2d + q + f) * 9/16
+    dots_no_batch  + the outputs of the linears:                 (q + 2kv + 2d + 2f) * c
+    dots           + the attention matmuls' outputs:             q*c + H*L*4   (fused: q*c + H*4)
+    none           + softmax, RoPE, SwiGLU intermediates:        H*L*(4 + c) + (q + kv + 3f + 2d) * c
+                                                                 (fused: no H*L*(4 + c))
+
+per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
+L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
+of an E4M3 block scale). A BF16 block's linears keep their inputs in the compute dtype without
+remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
+`precision.schedule`) a block counts as quantized in a phase when its `mlp.down` linear's recipe
+of that phase quantizes, and the estimate is the phase that keeps the most.
+
+Attention (`model.attention`, resolved as on an NVIDIA GPU unless another implementation is asked
+for) decides the L-dependent terms: `naive` and `xla` materialise the scores, so the rows above
+keep H*L floats per token and one block's scores and probabilities ([H, L, L] in float32 and the
+compute dtype per sequence) exist at a time; fused attention (`cudnn`, and `chunked`, which is
+fused in JAX) keeps the float32 log-sum-exp of each row instead, and holds one [block x block]
+tile per head (`chunked`) or nothing beyond the kernel's workspace (`cudnn`). The largest
+transient is that or the float32 logits and their gradient, whichever is larger.
+XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
+`benchmarks/bench_compile.py` reports what the compiled step allocates.
+
+Example:
+    >>> from nvfp4_train.config.run_config import load_config
+    >>> estimate = estimate_memory(load_config("examples/configs/llama3-8b-blackwell.yaml"), 8)
+    >>> print(format_estimate(estimate))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, tree_shardings
+from nvfp4_train.model.attention import run_attention
+from nvfp4_train.precision.policy import precision_phases
+from nvfp4_train.training.resume import abstract_state
+
+FP4_BYTES = 9 / 16
+"""Bytes per element of an NVFP4 operand: a 4-bit code and 1/16 of an 8-bit block scale."""
+GIB = 2**30
+FUSED = ("cudnn", "te", "chunked")
+"""Implementations that never hold an [L, L] score matrix (`xla` and `naive` do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds (see the module doc for what is exact and what is estimated)."""
+
+    devices: int
+    mesh: dict[str, int]
+    sequences: int
+    seq_len: int
+    remat: str
+    attention: str
+    peak_phase: str
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+
+
+def _sharded_bytes(tree, params, mesh: AbstractMesh) -> int:
+    """Bytes per device of `tree`'s leaves placed as a run places them (`tree_shardings`)."""
+    shardings = jax.tree.leaves(tree_shardings(tree, params, mesh))
+    return sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        for leaf, sharding in zip(jax.tree.leaves(tree), shardings, strict=True)
+    )
+
+
+def _saved_per_token(cfg, quantized: bool, attention: str) -> float:
+    """Bytes per token one block keeps for the backward pass under `cfg.model.remat`, with the
+    attention implementation `attention`."""
+    m = cfg.model
+    c = jnp.dtype(m.compute_dtype).itemsize
+    d, f, heads, length = m.d_model, m.mlp_dim, m.num_heads, cfg.train.seq_len
+    q, kv = heads * m.resolved_head_dim, m.num_kv_heads * m.resolved_head_dim
+    # a quantized linear saves its FP4 operands (named residuals) under every policy but
+    # "full"; a BF16 linear's input is the output of elementwise work, saved only without remat
+    per_element = FP4_BYTES if quantized else (c if m.remat == "none" else 0)
+    operands = (2 * d + q + f) * per_element
+    saved = d * c
+    if m.remat == "full":
+        return saved
+    saved += operands
+    if m.remat == "quantized":
+        return saved
+    saved += (q + 2 * kv + 2 * d + 2 * f) * c
+    if m.remat == "dots_no_batch":
+        return saved
+    fused = attention in FUSED
+    saved += q * c + heads * (4 if fused else length * 4)
+    if m.remat == "dots":
+        return saved
+    probabilities = 0 if fused else heads * length * (4 + c)
+    return saved + probabilities + (q + kv + 3 * f + 2 * d) * c
+
+
+def gpu_attention(cfg) -> str:
+    """The implementation `model.attention` stands for in a run of `cfg` on NVIDIA GPUs."""
+    return run_attention(cfg, "gpu")
+
+
+def _attention_transient(cfg, sequences: int, attention: str) -> int:
+    """Bytes of the attention intermediates one block holds at a time (see the module doc)."""
+    m, length = cfg.model, cfg.train.seq_len
+    c = jnp.dtype(m.compute_dtype).itemsize
+    if attention in ("cudnn", "te"):
+        return 0
+    side = min(m.attention_block, length) if attention == "chunked" else length  # tile or [L, L]
+    return sequences * m.num_heads * side * side * (4 + c)
+
+
+def estimate_memory(cfg, devices: int, attention: str | None = None) -> MemoryEstimate:
+    """Per-device bytes of a run of `cfg` on `devices` devices (`mesh` resolved for them), with
+    the attention implementation `attention` (default: `gpu_attention(cfg)`).
+
+    Raises:
+        ConfigError: `model.vocab_size` is 0 (taken from the data: set it to estimate), or the
+            mesh does not fit `devices`.
+    """
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError("model.vocab_size is 0 (taken from the data): set it to estimate memory")
+    try:
+        sizes = dict(zip(AXES, cfg.mesh.resolve(devices), strict=True))
+    except ConfigError as err:
+        raise ConfigError(f"mesh for {devices} devices: {err}") from None
+    mesh = AbstractMesh(tuple(sizes.values()), AXES)
+    _, state = abstract_state(cfg)
+    params = _sharded_bytes(state.params, state.params, mesh)
+    optimizer = _sharded_bytes(state.opt_state, state.params, mesh)
+    attention = gpu_attention(cfg) if attention is None else attention
+    empty = MemoryEstimate(
+        devices=devices, mesh=sizes, sequences=0, seq_len=cfg.train.seq_len,
+        remat=cfg.model.remat, attention=attention, peak_phase="", parameters=params,
+        optimizer=optimizer, gradients=params, activations=0, transient=0,
+    )  # fmt: skip
+    return with_activations(empty, cfg)
+
+
+def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
+    """`estimate` (its mesh, attention and state bytes) with the activations and transient of
+    `cfg` (its batch, `model.remat` and precision phases; the model's shapes unchanged)."""
+    sizes, attention = estimate.mesh, estimate.attention
+    batch_split = math.prod(sizes[a] for a in BATCH_AXES)
+    micro = cfg.train.batch_size // cfg.train.grad_accum_steps
+    sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
+    tokens = sequences * cfg.train.seq_len
+    phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
+    quantized = [[phase.recipes[f"layers.{i}.mlp.down"].quantized
+                  for i in range(cfg.model.num_layers)] for phase in phases]  # fmt: skip
+    saved = {
+        phase.label: sum(tokens * _saved_per_token(cfg, q, attention) for q in blocks)
+        for phase, blocks in zip(phases, quantized, strict=True)
+    }
+    peak = max(saved, key=saved.get)
+    logits = 2 * tokens * cfg.model.vocab_size * 4 // sizes["tensor"]
+    return dataclasses.replace(
+        estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
+        peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
+        transient=max(_attention_transient(cfg, sequences, attention), logits),
+    )  # fmt: skip
+
+
+_TRANSIENT = {
+    "naive": "one block's attention scores",
+    "xla": "one block's attention scores",
+    "cudnn": "fused attention's workspace",
+    "te": "fused attention's workspace",
+    "chunked": "one attention tile per head",
+}
+
+
+def format_estimate(estimate: MemoryEstimate) -> str:
+    """The estimate as YAML comment lines (so `show-config --memory` output stays YAML)."""
+    mesh = " ".join(f"{k}={v}" for k, v in estimate.mesh.items())
+    phase = f", steps {estimate.peak_phase}" if estimate.peak_phase else ""
+    rows = [
+        ("parameters (float32)", estimate.parameters),
+        ("optimizer state", estimate.optimizer),
+        ("gradients (float32)", estimate.gradients),
+        (f"activations kept for backward (remat: {estimate.remat}{phase}, estimate)",
+         estimate.activations),
+        (f"largest transient: {_TRANSIENT[estimate.attention]} or the logits", estimate.transient),
+    ]  # fmt: skip
+    lines = [
+        f"# memory per device on {estimate.devices} devices (mesh {mesh}; "
+        f"{estimate.sequences} sequences x {estimate.seq_len} tokens per device and microbatch; "
+        f"attention: {estimate.attention}):"
+    ]
+    lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows]
+    lines.append(f"#   {'total':<66} {estimate.total / GIB:9.2f} GiB")
+    return "\n".join(lines) + "\n"
+
+
+def format_attention_choices(estimate: MemoryEstimate, cfg) -> str:
+    """YAML comment lines: the total per device (`estimate`'s mesh and state) with each attention
+    implementation and remat policy, for choosing them (`show-config --memory`)."""
+    policies = ("none", "dots", "quantized", "full")
+    lines = ["# total per device by model.attention (rows) and model.remat (columns), GiB:"]
+    lines.append("#   " + " " * 10 + "".join(f"{p:>12}" for p in policies))
+    for attention in ("naive", "cudnn", "chunked"):
+        totals = []
+        for remat in policies:
+            variant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+            choice = dataclasses.replace(estimate, attention=attention)
+            totals.append(with_activations(choice, variant).total / GIB)
+        lines.append("#   " + f"{attention:<10}" + "".join(f"{t:12.1f}" for t in totals))
+    return "\n".join(lines) + "\n"

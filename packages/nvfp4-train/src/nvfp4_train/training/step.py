@@ -1,0 +1,350 @@
+"""Train state, the model a run builds, the pure train step (with gradient accumulation) and the
+eval step.
+
+Each builder takes what it reads, not the whole run config: the model (`ModelSpec`, made from a
+run config by `model_spec`), the optimizer (`optim.make_optimizer` of the `optimizer` section),
+and the seed and accumulation of the `train` section.
+
+Example (`cfg` a run config with `cfg.model.vocab_size` set):
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    graphdef, state = init_state(model_spec(cfg), optimizer, seed=cfg.train.seed)
+    lr = make_schedule(cfg.optimizer, cfg.train.steps)
+    train_step = jax.jit(
+        make_train_step(graphdef, optimizer, lr, seed=cfg.train.seed), donate_argnums=0
+    )
+    state, metrics = train_step(state, {"inputs": x_BxL, "targets": y_BxL})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import nvfp4_ops
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.mesh.sharding import activation_constraint
+from nvfp4_train.model.config import ModelConfig, linear_paths
+from nvfp4_train.model.decoder import Llama
+from nvfp4_train.model.layers import INPUT_AMAX
+from nvfp4_train.model.stacking import LayerLayout, global_norm
+from nvfp4_train.optim.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
+from nvfp4_train.precision.policy import backend_spec, layer_recipes, run_layout
+from nvfp4_train.tree_paths import flat_paths
+
+Batch = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything a step changes.
+
+    Attributes:
+        step: int32 scalar, number of completed steps.
+        params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`), in
+            the model's layout (`run_layout`: stacked blocks under `layers.{first}-{last}`).
+        opt_state: The optimizer's state (its moments in the same layout).
+        activation_amax: Running max over applied steps of |x| at each linear's input (x after
+            the compute-dtype cast), float32 scalars in a tree like the linears' params:
+            `activation_amax["layers"]["0"]["attn"]["qkv"]` (see `flat_amax`), always per layer.
+    """
+
+    step: jax.Array
+    params: dict[str, Any]
+    opt_state: optax.OptState
+    activation_amax: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How a run builds its `Llama`: every argument but the parameters' seed.
+
+    Attributes:
+        config: the `model` section (`vocab_size` filled: `with_vocab_size`).
+        recipes: module path -> `nvfp4_ops.Recipe` of the base model (`policy.layer_recipes`).
+        backend: `nvfp4_ops.dot_general`'s backend (`policy.backend_spec` of `precision.backend`).
+        layout: which blocks are stored stacked (`policy.run_layout`).
+    """
+
+    config: ModelConfig
+    recipes: Mapping[str, nvfp4_ops.Recipe]
+    backend: str | tuple[str, ...]
+    layout: LayerLayout
+
+    def build(self, rngs: nnx.Rngs, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None) -> Llama:
+        """The model, with `recipes` instead of the base ones when given."""
+        recipes = dict(self.recipes if recipes is None else recipes)
+        return Llama(self.config, recipes, rngs=rngs, backend=self.backend, layout=self.layout)
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The `ModelSpec` of a run config (reads `model`, `precision`, `train.steps` and
+    `optimizer.no_decay`: the layout stacks only blocks alike in every precision phase and in
+    weight decay)."""
+    return ModelSpec(
+        cfg.model,
+        layer_recipes(cfg.model, cfg.precision),
+        backend_spec(cfg.precision.backend),
+        run_layout(cfg),
+    )
+
+
+def init_state(
+    spec: ModelSpec, optimizer: optax.GradientTransformation, *, seed: int
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Builds the model of `spec` with parameter seed `seed` and its step-0 state.
+
+    Returns:
+        (graphdef, state): the model's static structure (recipes included) and step-0 state.
+    """
+    model = spec.build(nnx.Rngs(params=seed))
+    graphdef, model_state = nnx.split(model)
+    params = nnx.to_pure_dict(model_state)
+    return graphdef, state_from_params(spec.config, params, optimizer)
+
+
+def state_from_params(
+    model: ModelConfig, params: dict[str, Any], optimizer: optax.GradientTransformation
+) -> TrainState:
+    """The step-0 state of a run whose parameters are `params` (a fresh init, or weights
+    imported with `model.init_from`): fresh optimizer state, no activation statistics yet."""
+    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(model)})
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
+
+
+def model_graphdef(
+    spec: ModelSpec, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None
+) -> nnx.GraphDef:
+    """The model's static structure (recipes included) without materialising parameters.
+
+    `recipes` (module path -> `nvfp4_ops.Recipe`, e.g. a `PrecisionPhase.recipes` of
+    `policy.precision_phases`) default to the spec's. The params tree is the one of
+    `init_state(spec, ...)` (`run_layout` stacks only blocks alike in every phase), so the same
+    `TrainState` runs through any of them.
+    """
+    abstract = nnx.eval_shape(lambda: spec.build(nnx.Rngs(params=0), recipes))
+    return nnx.graphdef(abstract)
+
+
+def _amax_tree(flat: dict[str, jax.Array]) -> dict[str, Any]:
+    """{"layers.0.attn.qkv": a} -> {"layers": {"0": {"attn": {"qkv": a}}}}."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
+    """`TrainState.activation_amax` as {module path with dots: value}, e.g. `layers.0.attn.qkv`."""
+    return flat_paths(activation_amax)
+
+
+def forward_with_amax(
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
+) -> tuple[jax.Array, dict[str, Any]]:
+    """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
+    `TrainState.activation_amax`). `documents`: None, or (segment ids, positions) [B, L] of
+    packed documents (`Llama.__call__`)."""
+    model = nnx.merge(graphdef, params)
+    segment_ids, positions = (None, None) if documents is None else documents
+    logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(
+        inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions
+    )
+    sown = nnx.to_pure_dict(intermediates)
+    is_linear = lambda node: isinstance(node, dict) and INPUT_AMAX in node  # noqa: E731
+    amax = jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
+    return logits_BxLxV, model.layout.to_canonical(amax)
+
+
+def forward(
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
+) -> jax.Array:
+    """float32 logits [B, L, vocab] of the model `graphdef` with `params` (`documents` as in
+    `forward_with_amax`)."""
+    return forward_with_amax(graphdef, params, inputs_BxL, key, documents)[0]
+
+
+def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
+    del kind
+    return x
+
+
+def batch_documents(batch: Batch, constrain=None) -> tuple[jax.Array, jax.Array] | None:
+    """(segment ids, positions) of a batch that carries them (packed documents), else None."""
+    if "segment_ids" not in batch:
+        return None
+    constrain = constrain or _no_constraint
+    return constrain("tokens", batch["segment_ids"]), constrain("tokens", batch["positions"])
+
+
+def _loss_sum(
+    graphdef, params, batch: Batch, key, constrain=_no_constraint
+) -> tuple[jax.Array, int, dict[str, Any]]:
+    """float32 sum of token cross-entropies, the number of tokens, and the linears' input amax."""
+    inputs_BxL = constrain("tokens", batch["inputs"])
+    documents = batch_documents(batch, constrain)
+    logits_BxLxV, amax = forward_with_amax(graphdef, params, inputs_BxL, key, documents)
+    logits_BxLxV = constrain("logits", logits_BxLxV)
+    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+    return losses_BxL.sum(), losses_BxL.size, amax
+
+
+def _split_microbatches(batch: Batch, accum: int) -> Batch:
+    b = batch["inputs"].shape[0]
+    if b % accum != 0:
+        raise ValueError(
+            f"batch size must be a multiple of train.grad_accum_steps={accum}, got batch size {b}"
+        )
+    return jax.tree.map(lambda x: x.reshape(accum, b // accum, *x.shape[1:]), batch)
+
+
+def _accumulated_grads(
+    graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0, constrain
+):
+    """Mean loss, the gradients of `mean loss * loss_scale` summed over microbatches, and the
+    linears' input amax max-reduced over microbatches (starting from the tree `amax0`)."""
+
+    def scaled_loss(p, micro: Batch, micro_key):
+        loss_sum, count, amax = _loss_sum(graphdef, p, micro, micro_key, constrain)
+        loss = loss_sum / count
+        return loss * loss_scale / accum, (loss / accum, amax)
+
+    def body(carry, xs):
+        index, micro = xs
+        grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+        (_, (loss, amax)), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
+        loss_sum, grad_sum = jax.tree.map(jnp.add, carry[:2], (loss, grads))
+        return (loss_sum, grad_sum, jax.tree.map(jnp.maximum, carry[2], amax)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), amax0)
+    xs = (jnp.arange(accum), _split_microbatches(batch, accum))
+    (loss, grads, amax), _ = jax.lax.scan(body, zeros, xs)
+    return loss, grads, amax
+
+
+def _updated_amax(running, step_amax, skipped: jax.Array):
+    """The running max, unchanged by a skipped step or a non-finite step amax."""
+
+    def update(old, new):
+        return jnp.where(skipped | ~jnp.isfinite(new), old, jnp.maximum(old, new))
+
+    return jax.tree.map(update, running, step_amax)
+
+
+def step_key(seed: int, step: int | jax.Array) -> jax.Array:
+    """The stochastic-rounding key of the train step at `step` (completed steps before it):
+    `fold_in(key(seed), step)`; the step folds the microbatch index into it."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    *,
+    seed: int,
+    grad_accum_steps: int = 1,
+    mesh: Mesh | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Returns the pure `train_step(state, batch) -> (state, metrics)`; jit it once, donating state.
+
+    Args:
+        graphdef: the model (`init_state`, `model_graphdef`).
+        optimizer: `optim.make_optimizer` of the `optimizer` section.
+        lr_schedule: the optimizer's learning rate (`optim.make_schedule`), reported as `lr`.
+        seed: `train.seed`: the stochastic-rounding key is `step_key(seed, step)`, folded again
+            with the microbatch index, so a rerun is bit-identical.
+        grad_accum_steps: microbatches per step (`train.grad_accum_steps`).
+        mesh: constrain the tokens and logits to its batch / vocab sharding
+            (`activation_constraint`); None: no constraint.
+
+    Metrics (scalars): `loss` (mean FP32 token cross-entropy of the batch), `grad_norm` (global
+    norm of the unscaled, unclipped gradients), `lr`, `skipped` (1 if this update was skipped as
+    non-finite), `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling).
+    """
+    accum = grad_accum_steps
+    if accum < 1:
+        raise ValueError(f"train.grad_accum_steps must be >= 1, got {accum}")
+    constrain = activation_constraint(mesh)
+
+    def train_step(state: TrainState, batch: Batch):
+        key = step_key(seed, state.step)
+        loss_scale = current_loss_scale(state.opt_state)
+        amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
+        loss, grads, step_amax = _accumulated_grads(
+            graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        skipped = last_step_skipped(opt_state)
+        amax = _updated_amax(state.activation_amax, step_amax, skipped)
+        metrics = {
+            "loss": loss,
+            "grad_norm": global_norm(grads) / loss_scale,
+            "lr": lr_schedule(state.step),
+            "skipped": skipped.astype(jnp.int32),
+            "skipped_total": skipped_steps(opt_state),
+            "loss_scale": loss_scale,
+        }
+        return TrainState(state.step + 1, params, opt_state, amax), metrics
+
+    return train_step
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, *, seed: int, mesh: Mesh | None = None
+) -> Callable[[Any, Batch], tuple[jax.Array, ...]]:
+    """Returns `eval_step(params, batch) -> (loss_sum float32, token_count int32)`.
+
+    Forward only: the fixed key `key(seed)` (`train.seed`) is passed for recipes that require
+    one (stochastic rounding only touches gradients, so it does not change the result).
+    """
+    constrain = activation_constraint(mesh)
+
+    def eval_step(params, batch: Batch):
+        loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
+        return loss_sum, jnp.asarray(count, jnp.int32)
+
+    return eval_step
+
+
+def count_params(params) -> int:
+    """Total number of parameter elements in a params pytree."""
+    return int(sum(leaf.size for leaf in jax.tree.leaves(params)))
+
+
+def with_vocab_size(cfg, vocab_size: int):
+    """The run config with `model.vocab_size` filled from the data's `vocab_size`.
+
+    The one place that fills it (`run` and `evaluate_run` come here): `model.vocab_size=0` takes the data's size; an explicit size must be >= the data's (a
+    larger one pads the embedding, e.g. to a multiple of 128) and is kept.
+
+    Raises:
+        ConfigError: an explicit `model.vocab_size` smaller than the data's vocabulary.
+        ValueError: `vocab_size` is not > 0.
+
+    Example:
+        >>> from nvfp4_train.config.run_config import config_from_dict
+        >>> with_vocab_size(config_from_dict({}), 300).model.vocab_size
+        300
+    """
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size (the data's) must be > 0, got {vocab_size}")
+    model = cfg.model
+    if model.vocab_size == 0:
+        return dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=vocab_size))
+    if model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size must be 0 (take from data) or >= the data's vocabulary "
+            f"size {vocab_size}, got {model.vocab_size}"
+        )
+    return cfg
