@@ -33,8 +33,9 @@ from nvfp4_train.model.attention import (
 from nvfp4_train.precision import attention_check
 from nvfp4_train.precision.attention_check import verify_attention
 from nvfp4_train.training.resume import abstract_state
-from nvfp4_train.training.run import attention_text, run
+from nvfp4_train.training.run import run
 from nvfp4_train.training.step import forward, model_graphdef, model_spec
+from nvfp4_train.training.trusted import attention_text
 
 CPU_IMPLEMENTATIONS = ("chunked", "xla")
 PLATFORM = jax.default_backend()

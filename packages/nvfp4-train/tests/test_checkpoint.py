@@ -12,11 +12,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from nvfp4_train.checkpoint.checkpoints import (
-    Checkpoints,
-    decode_iterator_state,
-    encode_iterator_state,
-)
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.checkpoint.items import decode_iterator_state, encode_iterator_state
 
 
 class _State(NamedTuple):

@@ -8,6 +8,9 @@ ones docs/design.md shows; a new subpackage or top-level module must be given on
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,18 @@ def test_no_module_imports_itself_through_others():
 )
 def test_cycle_finder(graph, expected):
     assert _cycle(graph) == expected
+
+
+def test_public_names_come_from_their_modules():
+    for name in nvfp4_train.__all__:
+        value = getattr(nvfp4_train, name)
+        assert getattr(importlib.import_module(nvfp4_train._EXPORTS[name]), name) is value
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        nvfp4_train.nope  # noqa: B018
+
+
+def test_import_loads_no_jax():
+    """`import nvfp4_train` is cheap: the public names load their modules when first used."""
+    code = "import sys, nvfp4_train; print(sorted(m for m in sys.modules if m.startswith(('jax', 'nvfp4_train.'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

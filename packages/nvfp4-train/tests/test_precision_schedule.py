@@ -21,8 +21,9 @@ from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.precision.policy import PrecisionConfig, bf16_forward_start, layer_recipes
+from nvfp4_train.training.evaluation import evaluate_run
 from nvfp4_train.training.resume import check_same_model
-from nvfp4_train.training.run import evaluate_run, run
+from nvfp4_train.training.run import run
 from nvfp4_train.training.step import model_graphdef, model_spec
 
 STEPS, SWITCH = 6, 3

@@ -23,7 +23,9 @@ from run_reading import last_step, start_run, train_losses
 from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.training.run import evaluate_run, load_run_config, run
+from nvfp4_train.training.evaluation import evaluate_run
+from nvfp4_train.training.run import run
+from nvfp4_train.training.session import load_run_config
 
 STEPS = 60
 SECTIONS = {

@@ -14,7 +14,8 @@ from run_reading import train_losses
 
 from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
 from nvfp4_train.observe.metrics import read_metrics
-from nvfp4_train.training.run import evaluate_run, run
+from nvfp4_train.training.evaluation import evaluate_run
+from nvfp4_train.training.run import run
 
 RUN_STEPS = 8  # conftest's trained_runs: checkpoints at 4 and 8, evaluation at 4 and 8
 

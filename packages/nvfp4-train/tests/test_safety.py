@@ -14,14 +14,16 @@ import time
 import numpy as np
 import pytest
 
-from nvfp4_train.checkpoint.checkpoints import Checkpoints, CorruptCheckpoint
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.checkpoint.items import CorruptCheckpoint
 from nvfp4_train.checkpoint.run_dir import make_run_dir, run_lock
 from nvfp4_train.cli import main
 from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
 from nvfp4_train.errors import RunError
 from nvfp4_train.observe.metrics import MetricsFile
 from nvfp4_train.training.resume import abstract_state
-from nvfp4_train.training.run import load_run_config, run
+from nvfp4_train.training.run import run
+from nvfp4_train.training.session import load_run_config
 
 
 def _cfg(tiny_config, run_dir, *overrides):

@@ -142,7 +142,7 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from nvfp4_train.training.run import evaluate_run
+    from nvfp4_train.training.evaluation import evaluate_run
 
     evaluate_run(args.run_dir, forward=args.forward)
     return 0

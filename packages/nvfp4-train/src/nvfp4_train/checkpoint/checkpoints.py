@@ -9,9 +9,11 @@ model's logits on fixed tokens) and `integrity` (JSON: checksums of every saved 
 saved (`NonFiniteState`); a restored one whose checksums differ, or that holds NaN or Inf, is
 refused (`CorruptCheckpoint`), so a run resumes from the previous checkpoint instead.
 
-Checkpoints are always per layer: with a `layout` that stacks blocks (`model.scan_layers`), the
-parameters and optimizer state are split into their layers on save (one transient copy of them)
-and stacked again on restore, so a checkpoint does not depend on the layout that wrote it.
+Checkpoints are always per layer (`checkpoint.per_layer`): with a `layout` that stacks blocks
+(`model.scan_layers`), the parameters and optimizer state are split into their layers on save
+(one transient copy of them) and stacked again on restore, so a checkpoint does not depend on the
+layout that wrote it. This module saves and rotates; `checkpoint.reading` reads and validates,
+`checkpoint.items` names what a checkpoint holds.
 
 Example:
     >>> with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:  # doctest: +SKIP
@@ -21,81 +23,28 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from nvfp4_train.checkpoint.integrity import integrity_problems, state_integrity
-from nvfp4_train.errors import RunError
+from nvfp4_train.checkpoint.integrity import state_integrity
+from nvfp4_train.checkpoint.items import (
+    CONFIG_ITEM,
+    DATA_ITER_ITEM,
+    INTEGRITY_ITEM,
+    QUANT_STATS_ITEM,
+    REFERENCE_ITEM,
+    NonFiniteState,
+    Restored,
+    encode_iterator_state,
+    state_items,
+)
+from nvfp4_train.checkpoint.per_layer import PerLayer
+from nvfp4_train.checkpoint.reading import read_config, restore_state
 from nvfp4_train.model.stacking import LayerLayout
-
-DATA_ITER_ITEM = "data_iter"
-CONFIG_ITEM = "config"
-QUANT_STATS_ITEM = "quant_stats"
-REFERENCE_ITEM = "reference"
-INTEGRITY_ITEM = "integrity"
-LAYOUT_ITEMS = ("params", "opt_state")
-"""The train-state items stored in the model's layout (stacked blocks); on disk they are per layer."""
-
-
-class NonFiniteState(RunError):
-    """A train state holding NaN or Inf: it is not saved, and the run cannot go on."""
-
-
-class CorruptCheckpoint(ValueError):
-    """A restored checkpoint that is not what was saved (checksums) or holds NaN or Inf."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """What `Checkpoints.restore` returns.
-
-    Attributes:
-        step: the checkpointed step (optimizer steps taken).
-        state: the train state, with the same tree, shapes and dtypes as the abstract target.
-        data_iter_state: the iterator state as `train_iterator().get_state()` returned it.
-        config: the resolved config of the run that wrote the checkpoint, as plain data.
-    """
-
-    step: int
-    state: Any
-    data_iter_state: Any
-    config: dict[str, Any]
-
-
-def encode_iterator_state(state: Any) -> dict[str, Any]:
-    """Makes a grain iterator state JSON-ready: `DataLoader` states are JSON bytes, others dicts."""
-    if isinstance(state, bytes):
-        return {"kind": "bytes", "value": state.decode("utf-8")}
-    return {"kind": "json", "value": state}
-
-
-def decode_iterator_state(encoded: dict[str, Any]) -> Any:
-    """Inverse of `encode_iterator_state`."""
-    kind = encoded.get("kind")
-    if kind == "bytes":
-        return encoded["value"].encode("utf-8")
-    if kind == "json":
-        return encoded["value"]
-    raise ValueError(f"data_iter checkpoint item: kind must be 'bytes' or 'json', got {kind!r}")
-
-
-def _state_items(state: NamedTuple) -> dict[str, Any]:
-    """The checkpoint items of a train state: every field but `step`."""
-    return {name: getattr(state, name) for name in state._fields if name != "step"}
-
-
-def _restore_target(leaf: Any) -> Any:
-    """A restore target leaf: shape and dtype of `leaf`, placed like it (default device if abstract)."""
-    sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
-        jax.devices()[0]
-    )
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
 class Checkpoints:
@@ -134,17 +83,8 @@ class Checkpoints:
         )
         self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self.layout = layout if layout is not None and layout.scanned else None
-        self._split = jax.jit(self._per_layer) if self.layout else None
-
-    def _per_layer(self, items: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.layout.to_canonical(v) for k, v in items.items()}
-
-    def _on_disk(self, state: NamedTuple) -> NamedTuple:
-        """`state` with its stacked items split per layer (unchanged without a layout)."""
-        if self.layout is None:
-            return state
-        return state._replace(**self._split({k: getattr(state, k) for k in LAYOUT_ITEMS}))
+        scanned = layout is not None and layout.scanned
+        self._per_layer = PerLayer(layout) if scanned else None
 
     def set_aside(self, step: int) -> Path:
         """Renames the (unreadable) checkpoint of `step` to `<step>.unreadable[-k]`; returns it.
@@ -197,7 +137,8 @@ class Checkpoints:
             reference: `{"tokens": int32 [n, L], "logits": float32 [n, L, V]}`, the model's
                 forward at this checkpoint on fixed sequences (a PyTree item), or None.
         """
-        state = self._on_disk(state)
+        if self._per_layer is not None:
+            state = self._per_layer.to_disk(state)
         integrity = state_integrity(state)
         if not integrity["finite"]:
             kept = self.latest_step()
@@ -207,7 +148,7 @@ class Checkpoints:
                    "no checkpoint was saved before")
                 + ". Lower optimizer.learning_rate, or resume from that checkpoint."
             )  # fmt: skip
-        items = {k: ocp.args.StandardSave(v) for k, v in _state_items(state).items()}
+        items = {k: ocp.args.StandardSave(v) for k, v in state_items(state).items()}
         items[INTEGRITY_ITEM] = ocp.args.JsonSave(integrity)
         items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
         items[CONFIG_ITEM] = ocp.args.JsonSave(config)
@@ -219,50 +160,23 @@ class Checkpoints:
 
     def read_config(self, step: int) -> dict[str, Any]:
         """The resolved config (plain data) saved with the checkpoint at `step`."""
-        args = ocp.args.Composite(**{CONFIG_ITEM: ocp.args.JsonRestore()})
-        return self._manager.restore(step, args=args)[CONFIG_ITEM]
+        return read_config(self._manager, step)
 
     def restore(self, step: int, abstract_state: NamedTuple) -> Restored:
-        """Restores the checkpoint at `step` into the tree, shapes and dtypes of `abstract_state`.
+        """Restores the checkpoint at `step` into the tree, shapes and dtypes of `abstract_state`
+        (`checkpoint.reading.restore_state`).
 
         Args:
             step: a step from `all_steps()`.
             abstract_state: a TrainState of arrays or `jax.ShapeDtypeStruct`s (e.g. from
                 `jax.eval_shape`) whose non-step fields match the saved items.
+
+        Raises:
+            CorruptCheckpoint: the checkpoint is not what was saved, or holds NaN or Inf.
         """
         if step not in self.all_steps():
             raise ValueError(f"no checkpoint at step {step}; have steps {self.all_steps()}")
-        in_layout = jax.tree.map(_restore_target, _state_items(abstract_state))
-        targets = dict(in_layout)
-        if self.layout is not None:
-            targets.update(self._per_layer({k: in_layout[k] for k in LAYOUT_ITEMS}))
-        items = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
-        items[DATA_ITER_ITEM] = ocp.args.JsonRestore()
-        items[CONFIG_ITEM] = ocp.args.JsonRestore()
-        has_integrity = (self.directory / str(step) / INTEGRITY_ITEM).is_dir()
-        if has_integrity:  # checkpoints written before checksums have none
-            items[INTEGRITY_ITEM] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        step_dtype = getattr(abstract_state.step, "dtype", jnp.int32)
-        state = abstract_state._replace(
-            step=jnp.asarray(step, dtype=step_dtype), **{k: restored[k] for k in targets}
-        )
-        problems = integrity_problems(state, restored[INTEGRITY_ITEM] if has_integrity else None)
-        if problems:
-            raise CorruptCheckpoint(f"checkpoint of step {step}: {'; '.join(problems)}")
-        if self.layout is not None:
-            shardings = jax.tree.map(lambda t: t.sharding, {k: in_layout[k] for k in LAYOUT_ITEMS})
-            stack = jax.jit(
-                lambda items: {k: self.layout.from_canonical(v) for k, v in items.items()},
-                out_shardings=shardings,
-            )
-            state = state._replace(**stack({k: getattr(state, k) for k in LAYOUT_ITEMS}))
-        return Restored(
-            step=step,
-            state=state,
-            data_iter_state=decode_iterator_state(restored[DATA_ITER_ITEM]),
-            config=restored[CONFIG_ITEM],
-        )
+        return restore_state(self._manager, self.directory, step, abstract_state, self._per_layer)
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""

@@ -19,7 +19,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from nvfp4_train.checkpoint.checkpoints import Checkpoints, Restored
+from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.checkpoint.items import Restored
 from nvfp4_train.config.loader import to_dict
 from nvfp4_train.config.run_config import Config, upgraded
 from nvfp4_train.errors import ConfigError
