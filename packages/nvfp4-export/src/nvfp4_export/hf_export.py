@@ -15,8 +15,8 @@ from nvfp4_export.checkpoint import (
     read_checkpoint,
     resolve_checkpoint,
 )
-from nvfp4_export.dense_names import dense_entries
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
@@ -28,8 +28,8 @@ from nvfp4_export.hf_files import (
     generation_config,
     hf_config,
     special_token_ids,
-    write_json,
 )
+from nvfp4_export.json_files import write_json
 from nvfp4_export.layouts import (
     LayoutPlan,
     hf_quant_config,
@@ -37,8 +37,8 @@ from nvfp4_export.layouts import (
     plan_layout,
     quantization_config,
 )
-from nvfp4_export.linears import ExportedLinear, export_linear, planned_linear
-from nvfp4_export.model_spec import LlamaSpec, spec_from_config
+from nvfp4_export.linears import export_linear, planned_linear
+from nvfp4_export.model_spec import LlamaSpec, dense_entries, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS
-from nvfp4_export.hf_files import INDEX_FILE, hf_dense_names
+from nvfp4_export.hf_files import hf_dense_names
 from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES
 from nvfp4_export.reload import LoadedExport
+from nvfp4_export.shard_writer import INDEX_FILE
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, WEIGHT_SCALE
 
 FUSED = tuple(parts for _, parts in FUSED_MODULES)

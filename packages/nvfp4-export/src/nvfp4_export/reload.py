@@ -18,24 +18,22 @@ from nvfp4_export.dense_names import (
     LAYER_TENSORS,
     LM_HEAD,
     DenseTensor,
-    dense_entries,
     layer_tensor,
 )
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
     HF_QUANT_CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
     dense_hf_names,
 )
-from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
-from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
+from nvfp4_export.linears import dequantize_linear, export_linear, hf_modules
+from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec, dense_entries
 from nvfp4_export.output_dir import MANIFEST
 from nvfp4_export.policy import weight_format
-from nvfp4_export.shard_writer import DTYPE_TAG
+from nvfp4_export.shard_writer import DTYPE_TAG, INDEX_FILE, SINGLE_FILE
 from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
 from nvfp4_format.safetensors_header import TensorInfo
@@ -208,12 +206,12 @@ def forward_weights(
 
 def dense_layer_names(spec: LlamaSpec) -> list[str]:
     """The `ForwardWeights` layer keys of the spec's non-linear tensors (norms, biases)."""
-    return [t.key for t in LAYER_TENSORS if t.exists(spec)]
+    return [t.key for t in LAYER_TENSORS if spec.has(t)]
 
 
 def _with_tied_head(spec: LlamaSpec, dense: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`dense` with its lm_head: the embedding itself when the spec ties them (no `LM_HEAD`)."""
-    return dense if LM_HEAD.exists(spec) else {**dense, LM_HEAD.key: dense[EMBED.key]}
+    return dense if spec.has(LM_HEAD) else {**dense, LM_HEAD.key: dense[EMBED.key]}
 
 
 def _from_hf(spec: LlamaSpec, t: DenseTensor, f32) -> np.ndarray:

@@ -9,7 +9,6 @@ import numpy as np
 
 from nvfp4_export.checkpoint import Checkpoint, read_checkpoint, resolve_checkpoint
 from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logits
-from nvfp4_export.dense_names import dense_entries
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import (
     BF16,
@@ -22,7 +21,7 @@ from nvfp4_export.forward import ForwardWeights, forward
 from nvfp4_export.hf_files import dense_parts
 from nvfp4_export.invariants import layout_problems, nonfinite_problems
 from nvfp4_export.linears import export_linear
-from nvfp4_export.model_spec import spec_from_config
+from nvfp4_export.model_spec import dense_entries, spec_from_config
 from nvfp4_export.policy import linear_recipes
 from nvfp4_export.reload import (
     LoadedExport,
