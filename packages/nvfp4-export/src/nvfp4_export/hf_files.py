@@ -138,12 +138,14 @@ def special_token_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | Non
     try:
         special = json.loads((tokenizer_dir / "special_tokens_map.json").read_text("utf-8"))
         tok = json.loads((tokenizer_dir / "tokenizer.json").read_text("utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return None, None
+    if not isinstance(special, dict) or not isinstance(tok, dict):
         return None, None
     eos = special.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     for added in tok.get("added_tokens", []):
-        if added.get("content") == eos:
+        if isinstance(added, dict) and added.get("content") == eos:
             return int(added["id"]), int(added["id"])
     vocab = (tok.get("model") or {}).get("vocab") or {}
     eos_id = vocab.get(eos) if isinstance(vocab, dict) else None
