@@ -24,7 +24,7 @@ write_run = _export_conftest.write_run
 import nvfp4_format as nf  # noqa: E402
 import nvfp4_ops  # noqa: E402
 from nvfp4_export import ExportError, export_hf  # noqa: E402
-from nvfp4_export.checkpoint import CHECKPOINTS_DIR, PARAMS_ITEM  # noqa: E402
+from nvfp4_export.checkpoint import CHECKPOINTS_DIR, INTEGRITY_ITEM, PARAMS_ITEM  # noqa: E402
 from nvfp4_export.cli import main as export_main  # noqa: E402
 from nvfp4_format.cli import main as format_main  # noqa: E402
 from nvfp4_ops.cli import main as ops_main  # noqa: E402
@@ -72,6 +72,11 @@ def place(tmp_path_factory):
     good = root / "export" / "model.safetensors"
     (root / "truncated.safetensors").write_bytes(good.read_bytes()[:-100])
     (root / "empty_dir").mkdir()
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    shutil.copytree(root / "export", root / "export_list_config")
+    (root / "export_list_config" / "config.json").write_text("[1]")
+    shutil.copytree(run, root / "run_without_integrity")
+    shutil.rmtree(root / "run_without_integrity" / CHECKPOINTS_DIR / "2" / INTEGRITY_ITEM)
     return root
 
 
@@ -223,6 +228,72 @@ CLI_ROWS = [
         2,
         "is not an nvfp4-export export",
     ),
+    (
+        "export",
+        [
+            "hf",
+            "{root}/run",
+            "{root}/o8",
+            "--layout",
+            "modelopt",
+            "--calibrate",
+            "2",
+            "--calibration-text",
+            "{root}/missing.txt",
+        ],
+        2,
+        "cannot read --calibration-text",
+    ),
+    (
+        "export",
+        [
+            "hf",
+            "{root}/run",
+            "{root}/o9",
+            "--layout",
+            "modelopt",
+            "--calibrate",
+            "2",
+            "--calibration-text",
+            "{root}/binary.txt",
+        ],
+        2,
+        "is not UTF-8 text",
+    ),
+    (
+        "export",
+        [
+            "hf",
+            "{root}/run",
+            "{root}/o10",
+            "--layout",
+            "modelopt",
+            "--calibration-text",
+            "{root}/ok.yaml",
+        ],
+        2,
+        "--calibration-text needs --calibrate N",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run_without_integrity", "{root}/o11", "--layout", "modelopt"],
+        2,
+        "has no 'integrity' item",
+    ),
+    ("export", ["onnx", "{root}/run_without_integrity", "{root}/m.onnx"], 2, "no 'integrity' item"),
+    (
+        "export",
+        ["verify", "{root}/export", "--against", "{root}/run_without_integrity"],
+        2,
+        "pass --no-integrity-check",
+    ),
+    ("export", ["verify", "{root}/export_list_config"], 2, "must be a JSON object, got list"),
+    (
+        "export",
+        ["verify", "{root}/export", "--sequences", "0"],
+        2,
+        "--sequences must be an integer",
+    ),
     ("export", ["verify", "{root}/notes"], 2, "lacks config.json"),
     ("export", ["verify", "{root}/model.onnx"], 2, "needs --against"),
     ("format", ["inspect", "{root}/missing.safetensors"], 2, "no such file or directory"),
@@ -240,6 +311,7 @@ CLI_ROWS = [
 def test_a_bad_command_line_is_one_clear_error(place, capsys, tool, argv, code, fragment):
     argv = [a.replace("{root}", str(place)) for a in argv]
     before = {p: p.stat().st_mtime_ns for p in (place / "run").rglob("*") if p.is_file()}
+    entries = sorted(place.iterdir())
     assert TOOLS[tool](argv) == code
     captured = capsys.readouterr()
     text = captured.out + captured.err
@@ -247,6 +319,8 @@ def test_a_bad_command_line_is_one_clear_error(place, capsys, tool, argv, code, 
     assert "Traceback" not in text
     after = {p: p.stat().st_mtime_ns for p in (place / "run").rglob("*") if p.is_file()}
     assert after == before  # the run a bad command names is never touched
+    if tool == "export":  # nothing written: no output, no temporary left beside it
+        assert sorted(place.iterdir()) == entries
     assert (place / "notes" / "mine.txt").read_text() == "keep me"
 
 

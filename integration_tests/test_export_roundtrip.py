@@ -2,7 +2,8 @@
 
 Training writes the `reference` and `quant_stats` items itself (see test_train_checkpoint_items.py);
 this fixture replaces them with the JAX model's logits on sequences of a known English text and an
-amax calibrated on them, so the client comparisons below run on real words and a fixed batch.
+amax calibrated on them, so the client comparisons below run on real words and a fixed batch (and
+records the new `quant_stats` in the `integrity` item, as training would have).
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import pytest
 
 from nvfp4_export import export_hf, export_onnx, forward, read_checkpoint, resolve_checkpoint
 from nvfp4_export.calibrate import calibrate
-from nvfp4_export.checkpoint import QUANT_STATS_ITEM, REFERENCE_ITEM
+from nvfp4_export.checkpoint import (
+    INTEGRITY_ITEM,
+    JSON_CHECKSUMS,
+    QUANT_STATS_ITEM,
+    REFERENCE_ITEM,
+)
+from nvfp4_export.json_files import json_sha256
 from nvfp4_export.model_spec import spec_from_config
 from nvfp4_export.policy import linear_recipes
 from nvfp4_export.reload import (
@@ -108,6 +115,10 @@ def run(tmp_path_factory) -> Path:
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(
         (step_dir / QUANT_STATS_ITEM).absolute(), stats, force=True
     )
+    integrity = step_dir / INTEGRITY_ITEM / "metadata"
+    saved = json.loads(integrity.read_text())
+    saved[JSON_CHECKSUMS][QUANT_STATS_ITEM] = json_sha256(stats)
+    integrity.write_text(json.dumps(saved))
     return run_dir
 
 

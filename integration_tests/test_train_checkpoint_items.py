@@ -90,3 +90,33 @@ def test_export_checks_the_checksums_training_wrote(run_dir, tmp_path):
     with pytest.raises(ExportError, match=r"the checksums of embed.embedding"):
         export_hf(copy, out, layout="modelopt")
     assert not out.exists()  # nothing half-written
+
+
+def test_export_checks_the_config_checksum_training_wrote(run_dir, tmp_path, capsys):
+    # Training's SHA-256 of the canonical JSON of its config and quant_stats items is the one
+    # export computes; an edit to either after training is refused by export and by verify.
+    import json
+    import shutil
+
+    from nvfp4_export import ExportError, export_hf
+    from nvfp4_export.cli import main
+    from nvfp4_export.json_files import json_sha256
+
+    ckpt = read_checkpoint(resolve_checkpoint(run_dir))
+    assert not ckpt.notes  # everything was checked
+    saved = json.loads((ckpt.ref.step_dir / "integrity" / "metadata").read_text())
+    assert saved["json_sha256"] == {
+        "config": json_sha256(ckpt.config), "quant_stats": json_sha256(ckpt.quant_stats)
+    }  # fmt: skip
+    out = tmp_path / "hf"
+    export_hf(run_dir, out, layout="modelopt")
+    copy = shutil.copytree(run_dir, tmp_path / "copy")
+    config = copy / "checkpoints" / ckpt.ref.step_dir.name / "config" / "metadata"
+    edited = json.loads(config.read_text())
+    edited["model"]["rms_norm_eps"] = 1e-3
+    config.write_text(json.dumps(edited))
+    with pytest.raises(ExportError, match=r"its 'config' item differs from the checksum"):
+        export_hf(copy, tmp_path / "edited", layout="modelopt")
+    assert not (tmp_path / "edited").exists()
+    assert main(["verify", str(out), "--against", str(copy)]) == 2
+    assert "its 'config' item differs from the checksum" in capsys.readouterr().err

@@ -21,7 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from nvfp4_export import export_hf
-from nvfp4_export.checkpoint import CONFIG_ITEM, PARAMS_ITEM
+from nvfp4_export.checkpoint import (
+    CONFIG_ITEM,
+    INTEGRITY_ALGORITHM,
+    INTEGRITY_ITEM,
+    JSON_CHECKSUMS,
+    PARAMS_ITEM,
+    checksums,
+)
+from nvfp4_export.json_files import json_sha256
 
 PRESET = {"vocab_size": 32000, "d_model": 2048, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
           "mlp_dim": 8192, "max_seq_len": 2048, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
@@ -55,6 +63,20 @@ def _count(tree) -> int:
     return int(tree.size)
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}
+    return out
+
+
+def _integrity(params: dict, config: dict) -> dict:
+    """The `integrity` item training writes (docs/checkpoint-schema.md)."""
+    sums = {f"params.{k}": checksums(v) for k, v in _flat(params).items()}
+    return {"algorithm": INTEGRITY_ALGORITHM, "finite": True, "checksums": sums,
+            JSON_CHECKSUMS: {CONFIG_ITEM: json_sha256(config)}}  # fmt: skip
+
+
 def _write_checkpoint(run_dir: Path, model: dict, precision: dict) -> int:
     import orbax.checkpoint as ocp
 
@@ -63,7 +85,8 @@ def _write_checkpoint(run_dir: Path, model: dict, precision: dict) -> int:
     config = {"model": model, "precision": precision}
     options = ocp.CheckpointManagerOptions(create=True)
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
-        items = {PARAMS_ITEM: ocp.args.StandardSave(params), CONFIG_ITEM: ocp.args.JsonSave(config)}
+        items = {PARAMS_ITEM: ocp.args.StandardSave(params), CONFIG_ITEM: ocp.args.JsonSave(config),
+                 INTEGRITY_ITEM: ocp.args.JsonSave(_integrity(params, config))}  # fmt: skip
         manager.save(1, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
     return n

@@ -1,8 +1,9 @@
 """Writes a synthetic Llama-3-8B-shaped training checkpoint (random float32 masters), tensor by tensor.
 
 The run directory has the layout `nvfp4-export` reads (docs/export.md, "What export reads"):
-`config.yaml` and `checkpoints/<step>/{params,config}`, the `params` item an orbax PyTree (OCDBT,
-StandardSave) like the trainer's. Orbax's own save of a 32 GB tree of NumPy leaves copies them
+`config.yaml` and `checkpoints/<step>/{params,config,integrity}`, the `params` item an orbax
+PyTree (OCDBT, StandardSave) like the trainer's, `integrity` its checksums as the trainer writes
+them. Orbax's own save of a 32 GB tree of NumPy leaves copies them
 all into memory at once (killed at 23.6 GiB on a 24 GiB machine, with or without its
 `save_concurrent_gb`), so orbax saves the tree's STRUCTURE (every leaf a 1-element stand-in)
 and the `config` item, and then the params item's arrays are replaced, one at a time, by
@@ -69,17 +70,21 @@ def _nested(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
-def _replace_arrays(item: Path, shapes: dict[str, tuple[int, ...]], rng) -> None:
-    """Writes every leaf of the params item as orbax's NumPy handler lays it out, one by one."""
+def _replace_arrays(item: Path, shapes: dict[str, tuple[int, ...]], rng) -> dict[str, list[int]]:
+    """Writes every leaf of the params item as orbax's NumPy handler lays it out, one by one;
+    returns the `integrity` checksums of the leaves written (`params.<path>` -> [s1, s2])."""
     import shutil
 
     import tensorstore as ts
+
+    from nvfp4_export.checkpoint import checksums
 
     for stale in ("manifest.ocdbt", "d", "ocdbt.process_0"):  # the stand-ins' database
         path = item / stale
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     kvstore = {"driver": "ocdbt", "base": f"file://{item.absolute()}/"}
     context = ts.Context()
+    sums = {}
     for name, shape in shapes.items():
         value = _random(name, shape, rng)
         metadata = {"shape": list(shape), "chunks": list(shape), "dtype": "<f4",
@@ -88,14 +93,19 @@ def _replace_arrays(item: Path, shapes: dict[str, tuple[int, ...]], rng) -> None
         spec = {"driver": "zarr", "kvstore": {**kvstore, "path": f"{name}/"}, "metadata": metadata}
         array = ts.open(spec, create=True, context=context).result()
         array.write(value).result()
+        sums[f"params.{name}"] = checksums(value)
         del value, array
+    return sums
 
 
 def write_checkpoint(run_dir: Path, model: dict, step: int = 1, seed: int = 0) -> int:
-    """Writes `run_dir` (config.yaml, checkpoints/<step>/{params, config}); returns the number of
-    parameters."""
+    """Writes `run_dir` (config.yaml, checkpoints/<step>/{params, config, integrity}); returns the
+    number of parameters."""
     import orbax.checkpoint as ocp
     import yaml
+
+    from nvfp4_export.checkpoint import INTEGRITY_ALGORITHM, JSON_CHECKSUMS
+    from nvfp4_export.json_files import json_sha256
 
     config = {"model": model, "precision": {"recipe": "nvfp4"}, "output_dir": str(run_dir)}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,9 +118,12 @@ def write_checkpoint(run_dir: Path, model: dict, step: int = 1, seed: int = 0) -
                  "config": ocp.args.JsonSave(config)}  # fmt: skip
         mgr.save(step, args=ocp.args.Composite(**items))
         mgr.wait_until_finished()
-    _replace_arrays(
-        run_dir / "checkpoints" / str(step) / "params", shapes, np.random.default_rng(seed)
-    )
+    step_dir = run_dir / "checkpoints" / str(step)
+    sums = _replace_arrays(step_dir / "params", shapes, np.random.default_rng(seed))
+    integrity = {"algorithm": INTEGRITY_ALGORITHM, "finite": True, "checksums": sums,
+                 JSON_CHECKSUMS: {"config": json_sha256(config)}}  # fmt: skip
+    writer = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+    writer.save((step_dir / "integrity").absolute(), integrity)
     return int(sum(np.prod(s) for s in shapes.values()))
 
 

@@ -8,7 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nvfp4_export.checkpoint import CONFIG_ITEM, PARAMS_ITEM, QUANT_STATS_ITEM, REFERENCE_ITEM
+from nvfp4_export.checkpoint import (
+    CONFIG_ITEM,
+    INTEGRITY_ALGORITHM,
+    INTEGRITY_ITEM,
+    JSON_CHECKSUMS,
+    PARAMS_ITEM,
+    QUANT_STATS_ITEM,
+    REFERENCE_ITEM,
+    checksums,
+)
+from nvfp4_export.json_files import json_sha256
 
 VOCAB = 257  # byte tokenizer: 256 bytes + <|endoftext|>
 
@@ -93,6 +103,30 @@ def trained_stats(model: dict) -> dict:
     return {"activation_amax": {p: 2.0 + 0.25 * k for k, p in enumerate(paths)}}
 
 
+def _flat(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def integrity_item(params: dict, json_items: dict | None) -> dict:
+    """The `integrity` item training writes (docs/checkpoint-schema.md): checksums of every
+    parameter and, unless `json_items` is None (an older nvfp4-train), the SHA-256 of the
+    canonical JSON of each JSON item given (None values: items not saved)."""
+    item = {
+        "algorithm": INTEGRITY_ALGORITHM,
+        "finite": True,
+        "checksums": {f"params.{k}": checksums(v) for k, v in _flat(params).items()},
+    }
+    if json_items is not None:
+        item[JSON_CHECKSUMS] = {k: json_sha256(v) for k, v in json_items.items() if v is not None}
+    return item
+
+
 def write_run(
     run_dir: Path,
     *,
@@ -102,11 +136,15 @@ def write_run(
     quant_stats: dict | None | str = "trained",
     reference: dict | None = None,
     seed: int = 0,
+    integrity: str | None = "full",
 ) -> Path:
     """Writes run_dir/{config.yaml, tokenizer/, checkpoints/<step>/{params, config, ...}}.
 
     `quant_stats`: "trained" (default) writes activation amaxes as training does
     (`trained_stats`); None writes no `quant_stats` item (a checkpoint without statistics).
+    `integrity`: "full" (default) writes the `integrity` item as training does (parameter
+    checksums and the config and quant_stats checksums), "params" as training did before the
+    config was checksummed, None none (a checkpoint older than checksums).
     """
     import orbax.checkpoint as ocp
     import yaml
@@ -125,10 +163,15 @@ def write_run(
     options = ocp.CheckpointManagerOptions(max_to_keep=10, create=True)
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
         for k, step in enumerate(steps):
+            params = random_params(model, seed + k)
             items = {
-                PARAMS_ITEM: ocp.args.StandardSave(random_params(model, seed + k)),
+                PARAMS_ITEM: ocp.args.StandardSave(params),
                 CONFIG_ITEM: ocp.args.JsonSave(config),
             }
+            if integrity is not None:
+                json_items = {CONFIG_ITEM: config, QUANT_STATS_ITEM: quant_stats}
+                item = integrity_item(params, json_items if integrity == "full" else None)
+                items[INTEGRITY_ITEM] = ocp.args.JsonSave(item)
             if quant_stats is not None:
                 items[QUANT_STATS_ITEM] = ocp.args.JsonSave(quant_stats)
             if reference is not None:

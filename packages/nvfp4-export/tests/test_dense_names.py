@@ -4,9 +4,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nvfp4_export.dense_names import LAYER_TENSORS, dense_entries
+from nvfp4_export.dense_names import LAYER_TENSORS
 from nvfp4_export.hf_files import dense_tensors, hf_dense_names
-from nvfp4_export.model_spec import LlamaSpec
+from nvfp4_export.model_spec import LlamaSpec, dense_entries
 from nvfp4_export.reload import _from_hf, dense_layer_names
 
 FLAGS = ("qkv_bias", "o_bias", "qk_norm", "tie_embeddings")

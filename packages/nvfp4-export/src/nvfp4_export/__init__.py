@@ -12,10 +12,11 @@ Example:
 
 from nvfp4_export.checkpoint import Checkpoint, CheckpointRef, read_checkpoint, resolve_checkpoint
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.forward import ForwardWeights, forward
 from nvfp4_export.hf_export import ExportResult, export_hf
 from nvfp4_export.layouts import LAYOUTS
-from nvfp4_export.linears import ExportedLinear, export_linear
+from nvfp4_export.linears import export_linear
 from nvfp4_export.model_spec import LlamaSpec, spec_from_config
 from nvfp4_export.onnx_export import export_onnx
 from nvfp4_export.policy import linear_recipes

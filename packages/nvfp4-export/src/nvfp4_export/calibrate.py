@@ -36,14 +36,46 @@ def amax_from_stats(quant_stats: dict | None, paths: list[str]) -> dict[str, flo
     return out
 
 
+def read_text(text_file: Path) -> str:
+    """A calibration text file's content.
+
+    Raises:
+        ExportError: it cannot be read, or it is not UTF-8 text (a binary file).
+    """
+    try:
+        data = text_file.read_bytes()
+    except OSError as err:
+        raise ExportError(
+            f"cannot read --calibration-text {str(text_file)!r}: {err.strerror or err}"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ExportError(
+            f"--calibration-text {str(text_file)!r} is not UTF-8 text (byte {err.start} is "
+            f"0x{data[err.start]:02x}); a binary file?"
+        ) from None
+    if "\x00" in text:
+        raise ExportError(
+            f"--calibration-text {str(text_file)!r} holds NUL bytes: a binary file, not text"
+        )
+    return text
+
+
 def text_sequences(text_file: Path, tokenizer_dir: Path | None, n: int, length: int) -> np.ndarray:
     """int32 [n', length] windows (n' <= n) of `text_file` encoded with the run's tokenizer."""
     if tokenizer_dir is None:
         raise ExportError("--calibration-text needs the run's tokenizer/ directory; none found")
     import tokenizers
 
-    tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    ids = np.asarray(tok.encode(text_file.read_text(encoding="utf-8")).ids, dtype=np.int32)
+    text = read_text(text_file)
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises its own Exception type for a broken file
+        raise ExportError(
+            f"the run's tokenizer {str(tokenizer_dir / 'tokenizer.json')!r} does not load: {err}"
+        ) from err
+    ids = np.asarray(tok.encode(text).ids, dtype=np.int32)
     count = min(n, ids.size // length)
     if count < 1:
         raise ExportError(

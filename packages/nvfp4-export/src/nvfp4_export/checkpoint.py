@@ -2,8 +2,9 @@
 
 A run directory holds `config.yaml`, `tokenizer/` and `checkpoints/<step>/`; each step directory holds
 orbax items: `params` (PyTree of float32 master weights), `config` (JSON, the resolved config) and,
-optionally, `quant_stats` (JSON) and `reference` (PyTree). Only orbax's own readers are used: this
-module never imports the training package.
+optionally, `quant_stats` (JSON) and `reference` (PyTree), and `integrity` (JSON: checksums of
+the parameters and of the `config` and `quant_stats` items, checked here). Only orbax's own readers
+are used: this module never imports the training package.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.json_files import json_sha256
 from nvfp4_export.params_reader import CheckpointParams, tree_metadata
 
 PARAMS_ITEM = "params"
@@ -25,6 +27,8 @@ QUANT_STATS_ITEM = "quant_stats"
 REFERENCE_ITEM = "reference"
 INTEGRITY_ITEM = "integrity"
 INTEGRITY_ALGORITHM = "u32-sum+golden-sum"
+JSON_CHECKSUMS = "json_sha256"
+"""The `integrity` item's key holding `{item name: json_sha256(item)}` of its JSON items."""
 GOLDEN = np.uint32(0x9E3779B1)
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
@@ -57,6 +61,8 @@ class Checkpoint:
         quant_stats: the optional `quant_stats` item (`recipes`, `activation_amax`), or None.
         reference: the optional `reference` item (`tokens` int32 [n, L], `logits` float32 [n, L, V]),
             or None.
+        notes: what was not checked against the `integrity` item, one line each (empty when
+            everything was).
     """
 
     ref: CheckpointRef
@@ -64,6 +70,7 @@ class Checkpoint:
     config: dict[str, Any]
     quant_stats: dict[str, Any] | None
     reference: dict[str, np.ndarray] | None
+    notes: tuple[str, ...] = ()
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -172,10 +179,8 @@ def _read_item(step_dir: Path, name: str, reader, *, required: bool) -> Any:
         ) from err
 
 
-def _config(ref: CheckpointRef) -> dict[str, Any]:
-    config = _read_item(ref.step_dir, CONFIG_ITEM, _restore_json, required=False)
-    if config is not None:
-        return config
+def _config_yaml(ref: CheckpointRef) -> dict[str, Any]:
+    """The run's config.yaml, for checkpoints without a `config` item."""
     yaml_file = ref.run_dir / "config.yaml" if ref.run_dir else None
     if yaml_file is None or not yaml_file.is_file():
         raise ExportError(
@@ -227,40 +232,118 @@ def checksums(x: np.ndarray) -> list[int]:
     return [total, weighted]
 
 
-def _expected_checksums(step_dir: Path) -> dict[str, list[int]] | None:
-    """`params.<path>` -> saved checksums from the `integrity` item, or None without one."""
-    saved = _read_item(step_dir, INTEGRITY_ITEM, _restore_json, required=False)
-    if saved is None:  # written before checkpoints carried checksums
-        return None
-    if saved.get("algorithm") != INTEGRITY_ALGORITHM:
-        raise ExportError(
-            f"checkpoint {str(step_dir)!r} has an integrity item with unknown algorithm "
-            f"{saved.get('algorithm')!r}, expected {INTEGRITY_ALGORITHM!r}; refusing to export it"
-        )
-    return saved.get("checksums", {})
-
-
-def _lazy_params(step_dir: Path) -> CheckpointParams:
-    expected = _expected_checksums(step_dir)
-    reader = lambda item_dir: CheckpointParams(item_dir, expected, checksums)  # noqa: E731
-    return _read_item(step_dir, PARAMS_ITEM, reader, required=True)
-
-
-def read_checkpoint(ref: CheckpointRef) -> Checkpoint:
-    """Opens `ref`: params lazily (shapes now, each value read and checked on access), config and
-    the optional `quant_stats` / `reference` items.
+def read_integrity(step_dir: Path) -> dict[str, Any] | None:
+    """The `integrity` item, checked for form, or None when the checkpoint has none.
 
     Raises:
-        ExportError: a required item is missing or cannot be read; later, on access, a parameter
-            that holds NaN or Inf or whose checksums differ from the `integrity` item.
+        ExportError: an unknown algorithm, or an item that is not the schema's object.
     """
-    params = _lazy_params(ref.step_dir)
+    saved = _read_item(step_dir, INTEGRITY_ITEM, _restore_json, required=False)
+    if saved is None:
+        return None
+    algorithm = saved.get("algorithm") if isinstance(saved, dict) else None
+    if algorithm != INTEGRITY_ALGORITHM:
+        raise ExportError(
+            f"checkpoint {str(step_dir)!r} has an integrity item with unknown algorithm "
+            f"{algorithm!r}, expected {INTEGRITY_ALGORITHM!r}; refusing to use it"
+        )
+    sums = saved.get(JSON_CHECKSUMS, {})
+    if not isinstance(saved.get("checksums"), dict) or not isinstance(sums, dict):
+        raise ExportError(
+            f"checkpoint {str(step_dir)!r} has an integrity item whose 'checksums' or "
+            f"{JSON_CHECKSUMS!r} is not a JSON object; refusing to use it"
+        )
+    return saved
+
+
+def _missing_integrity(step_dir: Path) -> ExportError:
+    return ExportError(
+        f"checkpoint {str(step_dir)!r} has no 'integrity' item, so neither its parameters nor "
+        "its config can be checked against what training saved (written by an nvfp4-train "
+        "older than checksums, or the item was deleted); pass --no-integrity-check "
+        "(integrity_check=False) to use it unchecked"
+    )
+
+
+UNCHECKED = (
+    "INTEGRITY NOT CHECKED (--no-integrity-check): the checkpoint's parameters and config are "
+    "used as found on disk, without comparing them with the checksums training saved"
+)
+"""The note of a checkpoint read with `integrity_check=False`."""
+
+
+def _json_item_problem(name: str, value: Any, saved_sum: str | None) -> str | None:
+    if saved_sum is None and value is None:
+        return None
+    if saved_sum is None:
+        return f"it has a {name!r} item that was not saved with it (added after training?)"
+    if value is None:
+        return f"it has no {name!r} item, but one was saved with it (deleted?)"
+    if json_sha256(value) != saved_sum:
+        return f"its {name!r} item differs from the checksum saved with it (edited after training?)"
+    return None
+
+
+def check_json_items(
+    step_dir: Path, saved: dict[str, Any], items: dict[str, Any]
+) -> tuple[str, ...]:
+    """Compares the JSON items (`config`, `quant_stats`: name -> value, None for an absent one)
+    with the checksums of the `integrity` item; returns the notes of what could not be checked.
+
+    Raises:
+        ExportError: an item differs from its checksum, or was added or deleted after saving.
+    """
+    sums = saved.get(JSON_CHECKSUMS)
+    if sums is None:
+        return (
+            f"config not checked: the integrity item of checkpoint {str(step_dir)!r} has no "
+            "checksum of its config or quant_stats (written by an older nvfp4-train); its "
+            "parameters are checked",
+        )
+    for name, value in items.items():
+        problem = _json_item_problem(name, value, sums.get(name))
+        if problem:
+            raise ExportError(
+                f"checkpoint {str(step_dir)!r} is not what was saved: {problem}; refusing to use "
+                "it. Pass --no-integrity-check (integrity_check=False) to use it as it is now"
+            )
+    return ()
+
+
+def read_checkpoint(ref: CheckpointRef, *, integrity_check: bool = True) -> Checkpoint:
+    """Opens `ref`: params lazily (shapes now, each value read and checked on access), config and
+    the optional `quant_stats` / `reference` items, the JSON ones checked against the
+    `integrity` item.
+
+    Args:
+        ref: the checkpoint.
+        integrity_check: compare parameters, config and quant_stats with the checksums of the
+            `integrity` item, which must exist. False: use them as found (`Checkpoint.notes`
+            says so); parameters are still checked finite.
+
+    Raises:
+        ExportError: a required item is missing or cannot be read; no `integrity` item (unless
+            `integrity_check` is False); a config or quant_stats item that is not what was
+            saved; later, on access, a parameter that holds NaN or Inf or whose checksums differ
+            from the `integrity` item.
+    """
+    saved = read_integrity(ref.step_dir) if integrity_check else None
+    if integrity_check and saved is None:
+        raise _missing_integrity(ref.step_dir)
+    expected = None if saved is None else saved["checksums"]
+    reader = lambda item_dir: CheckpointParams(item_dir, expected, checksums)  # noqa: E731
+    params = _read_item(ref.step_dir, PARAMS_ITEM, reader, required=True)
     stats = _read_item(ref.step_dir, QUANT_STATS_ITEM, _restore_json, required=False)
     if stats is not None and not isinstance(stats, dict):
         raise ExportError(
             f"checkpoint 'quant_stats' must be a JSON object, got {type(stats).__name__}"
         )
-    return Checkpoint(ref, params, _config(ref), stats, _reference(ref))
+    config = _read_item(ref.step_dir, CONFIG_ITEM, _restore_json, required=False)
+    items = {CONFIG_ITEM: config, QUANT_STATS_ITEM: stats}
+    notes = check_json_items(ref.step_dir, saved, items) if saved is not None else (UNCHECKED,)
+    if config is None:
+        config = _config_yaml(ref)
+    return Checkpoint(ref, params, config, stats, _reference(ref), notes)
 
 
 def read_json(path: Path) -> Any:

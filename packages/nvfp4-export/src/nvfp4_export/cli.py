@@ -13,6 +13,11 @@ from nvfp4_export.layouts import LAYOUTS
 from nvfp4_export.onnx_graph import FORMS
 from nvfp4_export.servers import SERVERS
 
+NO_CHECK_HELP = (
+    "use a checkpoint without its integrity check (one without an 'integrity' item, or one "
+    "whose config was edited on purpose); warns that nothing was checked"
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvfp4-export", description=__doc__)
@@ -36,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                     "that loads the layout and mode)")  # fmt: skip
     hf.add_argument("--allow-dropped-tensors", action="store_true",
                     help="export even if a server would drop a trained tensor (warns)")  # fmt: skip
+    hf.add_argument("--no-integrity-check", action="store_true", help=NO_CHECK_HELP)
     hf.add_argument("--no-progress", action="store_true",
                     help="no progress bar (there is none when stderr is not a terminal)")  # fmt: skip
     ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
@@ -45,12 +51,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="portable: opset 18, runs on onnxruntime CPU; dq: opset 23 DequantizeLinear(FLOAT4E2M1)")  # fmt: skip
     ox.add_argument("--step", type=int, default=None)
     ox.add_argument("--overwrite", action="store_true")
+    ox.add_argument("--no-integrity-check", action="store_true", help=NO_CHECK_HELP)
     vf = sub.add_parser("verify", help="check an export and compare its logits with the run")
     vf.add_argument("export", help="an export directory or .onnx file")
     vf.add_argument("--against", default=None, help="the run (or checkpoint) it was exported from")
     vf.add_argument(
         "--sequences", type=int, default=4, help="sequences compared without a reference item"
     )
+    vf.add_argument("--no-integrity-check", action="store_true", help=NO_CHECK_HELP)
     return p
 
 
@@ -90,10 +98,12 @@ def _hf(args: argparse.Namespace) -> int:
             step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
             calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
             servers=args.servers, allow_dropped_tensors=args.allow_dropped_tensors,
-            log=lambda m: print(m, file=sys.stderr), progress=progress,
+            integrity_check=not args.no_integrity_check, log=lambda m: print(m, file=sys.stderr), progress=progress,
         )  # fmt: skip
     plan = result.plan
     mode = "W4A4" if plan.w4a4 else "weight-only"
+    if result.calibration:
+        mode += f", input scales from {result.calibration['sequences']} calibration sequences"
     print(
         f"wrote {result.out_dir} ({plan.layout}, {plan.fmt}, {mode}; step {result.step}; "
         f"{result.total_bytes / 1e6:.2f} MB of weights; {len(plan.excluded)} modules kept in BF16; "
@@ -106,8 +116,9 @@ def _onnx(args: argparse.Namespace) -> int:
     from nvfp4_export.onnx_export import export_onnx
 
     path = export_onnx(
-        args.checkpoint, args.out_file, form=args.form, step=args.step, overwrite=args.overwrite
-    )
+        args.checkpoint, args.out_file, form=args.form, step=args.step, overwrite=args.overwrite,
+        integrity_check=not args.no_integrity_check, log=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
     print(f"wrote {path} ({args.form})")
     return 0
 
@@ -115,7 +126,10 @@ def _onnx(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from nvfp4_export.verify import render, verify
 
-    report = verify(args.export, against=args.against, sequences=args.sequences)
+    report = verify(
+        args.export, against=args.against, sequences=args.sequences,
+        integrity_check=not args.no_integrity_check,
+    )  # fmt: skip
     print(render(report))
     return 0 if report.ok else 1
 

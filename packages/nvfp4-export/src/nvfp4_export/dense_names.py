@@ -1,25 +1,20 @@
 """The model's dense (non-linear) tensors under their three names: `ForwardWeights` key, training
-parameter and Hugging Face tensor, with the `LlamaSpec` flag each one depends on.
+parameter and Hugging Face tensor, with the name of the `LlamaSpec` flag each one depends on.
 
 The one table every reader and writer of these tensors goes through (`model_spec`, `hf_files`,
 `reload`, `onnx_graph`). Per-layer entries (`LAYER_TENSORS`) are named relative to their layer;
 `DenseTensor.in_layer` places them in `layers.{i}.` (key, parameter) and `model.layers.{i}.` (HF).
+Which entries a given model has is the spec's to say (`LlamaSpec.has`, `model_spec.dense_entries`):
+this table knows flags only by name.
 
 Example:
-    >>> from nvfp4_export.model_spec import LlamaSpec
-    >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
-    ...                  head_dim=16, mlp_dim=32, qk_norm=True)
-    >>> [t.hf_name for t in dense_entries(spec) if t.layer is not None][-2:]
-    ['model.layers.0.self_attn.q_norm.weight', 'model.layers.0.self_attn.k_norm.weight']
+    >>> layer_tensor("q_norm", 3).hf_name, layer_tensor("q_norm", 3).flag
+    ('model.layers.3.self_attn.q_norm.weight', 'qk_norm')
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from nvfp4_export.model_spec import LlamaSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +27,7 @@ class DenseTensor:
         param: the training parameter path (relative to `layers.{i}` for a per-layer entry).
         hf_name: the HF tensor name (relative to `model.layers.{i}`); for a bias of a fused
             linear, its name inside each of that linear's HF modules ("bias").
-        flag: the `LlamaSpec` flag the tensor depends on, or None (always there).
+        flag: the name of the `LlamaSpec` flag the tensor depends on, or None (always there).
         when: the flag's value with which the tensor exists (lm_head: `tie_embeddings` False).
         fused_linear: the training linear (relative to `layers.{i}`) whose HF modules each hold
             their rows of the tensor (`linears.hf_modules`), or None: one HF tensor.
@@ -50,10 +45,6 @@ class DenseTensor:
     fused_linear: str | None = None
     transposed: bool = False
     layer: int | None = None
-
-    def exists(self, spec: LlamaSpec) -> bool:
-        """Whether a model of `spec` has this tensor."""
-        return self.flag is None or getattr(spec, self.flag) == self.when
 
     def in_layer(self, i: int) -> DenseTensor:
         """This per-layer entry with its names placed in layer `i`."""
@@ -89,10 +80,3 @@ LAYER_TENSORS = (
 def layer_tensor(key: str, i: int) -> DenseTensor:
     """The per-layer entry of `ForwardWeights` layer key `key` ("attn_norm", ...) in layer `i`."""
     return {t.key: t for t in LAYER_TENSORS}[key].in_layer(i)
-
-
-def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
-    """The dense tensors a model of `spec` has, placed, in model order: embed, layer 0's, ...,
-    final_norm, lm_head."""
-    layers = [t.in_layer(i) for i in range(spec.num_layers) for t in LAYER_TENSORS]
-    return [t for t in (EMBED, *layers, FINAL_NORM, LM_HEAD) if t.exists(spec)]

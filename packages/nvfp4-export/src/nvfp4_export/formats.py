@@ -14,17 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
 import nvfp4_format
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_format.layout_names import CT_MXFP4, CT_NVFP4, MODELOPT_NVFP4, LayoutNames
-
-if TYPE_CHECKING:
-    from nvfp4_export.linears import ExportedLinear
 
 BF16 = "bf16"
 """The "format" of a linear kept in BF16 (not quantized)."""

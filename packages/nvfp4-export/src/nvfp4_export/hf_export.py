@@ -7,6 +7,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
 from nvfp4_export.checkpoint import (
@@ -15,8 +16,8 @@ from nvfp4_export.checkpoint import (
     read_checkpoint,
     resolve_checkpoint,
 )
-from nvfp4_export.dense_names import dense_entries
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
@@ -28,8 +29,8 @@ from nvfp4_export.hf_files import (
     generation_config,
     hf_config,
     special_token_ids,
-    write_json,
 )
+from nvfp4_export.json_files import write_json
 from nvfp4_export.layouts import (
     LayoutPlan,
     hf_quant_config,
@@ -37,8 +38,9 @@ from nvfp4_export.layouts import (
     plan_layout,
     quantization_config,
 )
-from nvfp4_export.linears import ExportedLinear, export_linear, planned_linear
-from nvfp4_export.model_spec import LlamaSpec, spec_from_config
+from nvfp4_export.linears import export_linear, planned_linear
+from nvfp4_export.manifest import CHECKPOINT_CHECKED, seal
+from nvfp4_export.model_spec import LlamaSpec, dense_entries, spec_from_config
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
@@ -57,6 +59,8 @@ class ExportResult:
         step: the checkpoint step exported.
         plan: layout, FP4 format, W4A4 or weight-only, excluded modules.
         amax_source: where input scales came from: "quant_stats", "calibration" or None.
+        calibration: with --calibrate: {"sequences": used, "requested": asked,
+            "tokens_per_sequence": L, "from": "calibration-text" or "reference"}; else None.
         servers: the servers the export was checked for (`servers.SERVERS` names).
         files: files written (relative names).
         total_bytes: bytes of the weight files.
@@ -73,24 +77,41 @@ class ExportResult:
     total_bytes: int
     seconds: float
     notes: tuple[str, ...]
+    calibration: dict[str, Any] | None = None
 
 
-def _input_amax(
-    ckpt: Checkpoint,
-    spec: LlamaSpec,
-    recipes: dict[str, str],
-    calibrate_n: int,
-    calibration_text: Path | None,
-) -> tuple[dict[str, float], str | None]:
-    paths = spec.linear_paths()
+@dataclasses.dataclass(frozen=True)
+class InputAmax:
+    """Activation amax per quantized linear path, where it came from ("quant_stats",
+    "calibration" or None), the calibration's facts (`ExportResult.calibration`) and notes."""
+
+    amax: dict[str, float]
+    source: str | None
+    calibration: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _calibrated(ckpt, spec, recipes, n: int, text: Path | None, log) -> InputAmax:
+    """Input amax from a calibration pass over (up to) `n` sequences, saying how many it used."""
+    tokens = calibration_tokens(n, ckpt.reference, text, ckpt.tokenizer_dir, spec.max_seq_len)
+    used, length = (int(d) for d in tokens.shape)
+    where = f"--calibration-text {str(text)!r}" if text else "the checkpoint's reference item"
+    log(f"calibrating input scales on {used} sequences of {length} tokens from {where}")
+    notes = ()
+    if used < n:
+        notes = (f"calibrated on {used} sequences, fewer than the {n} asked: {where} holds only "
+                 f"{used} sequences of {length} tokens",)  # fmt: skip
+    info = {"sequences": used, "requested": n, "tokens_per_sequence": length,
+            "from": "calibration-text" if text else "reference"}  # fmt: skip
+    weights = weights_from_checkpoint(ckpt, spec, recipes, {})
+    return InputAmax(calibrate(weights, tokens), "calibration", info, notes)
+
+
+def _input_amax(ckpt, spec, recipes, calibrate_n: int, calibration_text, log) -> InputAmax:
     if calibrate_n:
-        weights = weights_from_checkpoint(ckpt, spec, recipes, {})
-        tokens = calibration_tokens(
-            calibrate_n, ckpt.reference, calibration_text, ckpt.tokenizer_dir, spec.max_seq_len
-        )
-        return calibrate(weights, tokens), "calibration"
-    stats = amax_from_stats(ckpt.quant_stats, paths)
-    return stats, (QUANT_STATS_ITEM if stats else None)
+        return _calibrated(ckpt, spec, recipes, calibrate_n, calibration_text, log)
+    stats = amax_from_stats(ckpt.quant_stats, spec.linear_paths())
+    return InputAmax(stats, QUANT_STATS_ITEM if stats else None)
 
 
 def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
@@ -148,7 +169,8 @@ def _refuse_per_token_w4a4(plan: LayoutPlan, recipes: dict[str, str]) -> None:
             )
 
 
-def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan, servers) -> dict:
+def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, inputs, plan, servers, checked) -> dict:
+    amax, source = inputs.amax, inputs.source
     return {
         "producer": "nvfp4-export 0.1.0",
         "source": str(ckpt.ref.step_dir),
@@ -163,6 +185,8 @@ def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, amax, source, plan, 
         "input_amax": amax if plan.w4a4 else {},
         "input_amax_from": source if plan.w4a4 else None,
         "servers": list(servers),
+        "calibration": inputs.calibration if plan.w4a4 else None,
+        CHECKPOINT_CHECKED: {"parameters": checked, "config": checked and not ckpt.notes},
     }
 
 
@@ -228,8 +252,9 @@ def _write_dir(out, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes
     if modelopt is not None:
         write_json(out / HF_QUANT_CONFIG_FILE, modelopt)
         files.append(HF_QUANT_CONFIG_FILE)
-    write_json(out / PROVENANCE_FILE, provenance)
-    return files + [PROVENANCE_FILE] + copy_tokenizer(ckpt.tokenizer_dir, out)
+    files += copy_tokenizer(ckpt.tokenizer_dir, out)
+    write_json(out / PROVENANCE_FILE, seal(provenance, out, files))  # last: it hashes the others
+    return files + [PROVENANCE_FILE]
 
 
 def export_hf(
@@ -245,6 +270,7 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     servers: Sequence[str] | None = None,
     allow_dropped_tensors: bool = False,
+    integrity_check: bool = True,
     log: Callable[[str], None] = lambda _: None,
     progress: Callable[[ExportProgress], None] = lambda _: None,
 ) -> ExportResult:
@@ -264,6 +290,9 @@ def export_hf(
             "tensorrt-llm", "transformers"); default every server that loads the layout and mode.
         allow_dropped_tensors: export even when one of `servers` would drop a trained tensor (a
             Qwen 3 `o_proj` bias in vLLM), with a warning in `notes`, instead of refusing.
+        integrity_check: compare the checkpoint's parameters, config and quant_stats with the
+            checksums of its `integrity` item, which must exist. False exports it as found on
+            disk, with a warning in `notes`.
         log: receives progress messages and notes.
         progress: called with an `ExportProgress` after each checkpoint tensor is written.
 
@@ -279,13 +308,16 @@ def export_hf(
     start = time.perf_counter()
     out_dir = Path(out_dir)
     plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
+    if calibration_text is not None and not calibrate_n:
+        raise ExportError("--calibration-text needs --calibrate N (the number of sequences)")
     ref = resolve_checkpoint(checkpoint, step)
     out_dir = check_target(out_dir, overwrite, source=ref)  # before any work: fail fast
-    ckpt = read_checkpoint(ref)
+    ckpt = read_checkpoint(ref, integrity_check=integrity_check)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
     text = None if calibration_text is None else Path(calibration_text)
-    amax, source = _input_amax(ckpt, spec, recipes, calibrate_n if not weight_only else 0, text)
+    inputs = _input_amax(ckpt, spec, recipes, calibrate_n if not weight_only else 0, text, log)
+    amax = inputs.amax
     log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
     shapes = ckpt.params.shapes
     planned: list[ExportedLinear] = []
@@ -294,10 +326,10 @@ def export_hf(
         planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path))
     plan = plan_layout(layout, planned, weight_only=weight_only)
     _refuse_per_token_w4a4(plan, recipes)
-    notes = _weight_only_fallback(plan, weight_only)  # before writing anything
+    notes = ckpt.notes + inputs.notes + _weight_only_fallback(plan, weight_only)  # before writing
     targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
     notes += dropped
-    provenance = _provenance(ckpt, spec, recipes, amax, source, plan, targets)
+    provenance = _provenance(ckpt, spec, recipes, inputs, plan, targets, integrity_check)
     slots = _weight_slots(spec, shapes, planned, plan)
     stream = functools.partial(
         _stream_weights, ckpt=ckpt, spec=spec, recipes=recipes, amax=amax, plan=plan,
@@ -309,6 +341,6 @@ def export_hf(
     for note in notes:
         log("warning: " + note)
     return ExportResult(
-        out_dir, ckpt.ref.step, plan, source if plan.w4a4 else None, targets, tuple(files), total,
-        time.perf_counter() - start, notes,
+        out_dir, ckpt.ref.step, plan, inputs.source if plan.w4a4 else None, targets, tuple(files),
+        total, time.perf_counter() - start, notes, inputs.calibration if plan.w4a4 else None,
     )  # fmt: skip

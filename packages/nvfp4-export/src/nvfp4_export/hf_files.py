@@ -1,7 +1,7 @@
 """The files of a Hugging Face model directory: config.json, generation_config.json, the tokenizer,
 and the dense BF16 tensors under their HF names (`dense_slots`: names, dtypes and shapes;
 `dense_parts` / `dense_tensors`: values, shared by the HF and ONNX exports). The weight files
-themselves are written by `shard_writer`."""
+themselves (and their names) are `shard_writer`'s."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_export.bfloat16 import to_bfloat16, transposed
-from nvfp4_export.dense_names import DenseTensor, dense_entries
+from nvfp4_export.dense_names import DenseTensor
+from nvfp4_export.json_files import write_json
 from nvfp4_export.linears import hf_modules
-from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec
+from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec, dense_entries
 from nvfp4_export.shard_writer import TensorSlot
 
-SAFETENSORS_METADATA = {"format": "pt"}
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
@@ -132,10 +130,6 @@ def generation_config(*, eos_token_id: int | None, bos_token_id: int | None) -> 
     return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}
 
 
-def write_json(path: Path, content: dict) -> None:
-    path.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-
-
 def special_token_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | None]:
     """(bos, eos) ids from a `tokenizer/` directory: eos from special_tokens_map.json's `eos_token`
     looked up in tokenizer.json's added tokens; bos = eos (training prepends no BOS token)."""
@@ -144,12 +138,14 @@ def special_token_ids(tokenizer_dir: Path | None) -> tuple[int | None, int | Non
     try:
         special = json.loads((tokenizer_dir / "special_tokens_map.json").read_text("utf-8"))
         tok = json.loads((tokenizer_dir / "tokenizer.json").read_text("utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        return None, None
+    if not isinstance(special, dict) or not isinstance(tok, dict):
         return None, None
     eos = special.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     for added in tok.get("added_tokens", []):
-        if added.get("content") == eos:
+        if isinstance(added, dict) and added.get("content") == eos:
             return int(added["id"]), int(added["id"])
     vocab = (tok.get("model") or {}).get("vocab") or {}
     eos_id = vocab.get(eos) if isinstance(vocab, dict) else None

@@ -1,15 +1,20 @@
-"""Layout invariants of an export directory (names, dtypes, shapes, shared scales, metadata)."""
+"""Layout invariants of an export directory (names, dtypes, shapes, shared scales, metadata,
+config.json field by field, a tokenizer that loads)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS
-from nvfp4_export.hf_files import INDEX_FILE, hf_dense_names
+from nvfp4_export.hf_files import hf_config, hf_dense_names, special_token_ids
+from nvfp4_export.json_files import canonical_json
 from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES
 from nvfp4_export.reload import LoadedExport
+from nvfp4_export.shard_writer import INDEX_FILE
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, WEIGHT_SCALE
 
 FUSED = tuple(parts for _, parts in FUSED_MODULES)
@@ -24,6 +29,8 @@ SHARED_SCALE_SUFFIXES = tuple(
 )
 """weight_scale_2, weight_global_scale, input_scale, input_global_scale: equal across a group."""
 _MODELOPT_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
+TOKENIZER_FILE = "tokenizer.json"
+_MISSING = object()
 
 
 def _expected(kind: str, layout: str, fmt: str, w4a4: bool, out: int, inp: int) -> dict:
@@ -156,9 +163,43 @@ def _file_problems(loaded: LoadedExport) -> list[str]:
         index = read_safetensors_index(loaded.path / INDEX_FILE)
         if set(index.weight_map) != set(loaded.tensors):
             problems.append("index weight_map does not cover exactly the stored tensors")
-    if not (loaded.path / "tokenizer.json").is_file():
-        problems.append("no tokenizer.json")
+    return problems + _tokenizer_problems(loaded.path)
+
+
+def config_problems(loaded: LoadedExport) -> list[str]:
+    """config.json field by field against what the export writes for its spec (the manifest's):
+    every field equal as JSON (`rms_norm_eps`, `rope_scaling`, `num_key_value_heads`, ...), no
+    field the export does not write; `quantization_config` is the metadata check's. The special
+    token ids are compared when the export's tokenizer names them."""
+    bos, eos = special_token_ids(loaded.path)
+    want = hf_config(loaded.spec, eos_token_id=eos, bos_token_id=bos)
+    if eos is None:  # no readable tokenizer (reported there): nothing to compare the ids with
+        want = {k: v for k, v in want.items() if k not in ("bos_token_id", "eos_token_id")}
+    problems = []
+    for key, value in want.items():
+        got = loaded.config.get(key, _MISSING)
+        if got is _MISSING:
+            problems.append(f"config.json lacks {key!r} (the export wrote {value!r})")
+        elif canonical_json(got) != canonical_json(value):
+            problems.append(f"config.json {key} is {got!r}, but the exported model has {value!r}")
+    written = {*want, "quantization_config", "bos_token_id", "eos_token_id"}
+    extra = sorted(set(loaded.config) - written)
+    if extra:
+        problems.append(f"config.json has fields the export does not write: {extra[:5]}")
     return problems
+
+
+def _tokenizer_problems(path: Path) -> list[str]:
+    if not (path / TOKENIZER_FILE).is_file():
+        return [f"no {TOKENIZER_FILE}"]
+    import tokenizers
+
+    try:
+        tokenizers.Tokenizer.from_file(str(path / TOKENIZER_FILE))
+    except Exception as err:  # tokenizers raises a plain Exception for a broken file
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return [f"{TOKENIZER_FILE} does not load with the tokenizers library: {first}"]
+    return []
 
 
 def nonfinite_problems(loaded: LoadedExport) -> list[str]:
@@ -180,5 +221,5 @@ def nonfinite_problems(loaded: LoadedExport) -> list[str]:
 
 def layout_problems(loaded: LoadedExport) -> list[str]:
     """Every broken invariant of the export (empty when it is sound)."""
-    problems = _metadata_problems(loaded) + _file_problems(loaded) + _linear_problems(loaded)
-    return problems + nonfinite_problems(loaded)
+    problems = _metadata_problems(loaded) + config_problems(loaded) + _file_problems(loaded)
+    return problems + _linear_problems(loaded) + nonfinite_problems(loaded)

@@ -17,6 +17,7 @@ import numpy as np
 
 import nvfp4_format
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import (
     BF16,
     COMPRESSED_TENSORS,
@@ -26,7 +27,6 @@ from nvfp4_export.formats import (
     ExportFormat,
     layout_names,
 )
-from nvfp4_export.linears import ExportedLinear
 from nvfp4_format.layout_names import WEIGHT, LayoutNames
 
 PRODUCER = {"name": "nvfp4-export", "version": "0.1.0"}

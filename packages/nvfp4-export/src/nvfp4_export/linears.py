@@ -10,73 +10,17 @@ over its rows) and the shared global scale is what servers require for fused q/k
 
 from __future__ import annotations
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 
-import nvfp4_format
 from nvfp4_export.bfloat16 import bfloat16_values_transposed, transposed
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.policy import WeightFormat, weight_format
 
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportedLinear:
-    """One Hugging Face linear module as the export writes it.
-
-    Attributes:
-        name: HF module name, e.g. `model.layers.0.self_attn.q_proj`.
-        source: the training linear it comes from, e.g. `layers.0.attn.qkv`.
-        fmt: a `formats.FORMATS` name ("nvfp4", "mxfp4") or "bf16".
-        weight: bfloat16 [out, in] (fmt "bf16" only).
-        packed: uint8 [out, in/2] E2M1 codes, even `in` index in the low nibble (FP4 formats).
-        scales: NVFP4: float8_e4m3fn [out, in/16] block decode scales; MXFP4: uint8 [out, in/32]
-            E8M0 exponents (127 = 2^0).
-        weight_amax: NVFP4 only: float32 max |W| over the whole fused group (sets the global scale).
-        input_amax: max |x| at the linear's input (W4A4 activation scale), or None.
-        stored_decode_scale: NVFP4 read back from a ModelOpt file: the stored `weight_scale_2`
-            (used as is instead of recomputing it from `weight_amax`).
-        block_scale_rule: NVFP4: "max", or "4over6" when the recipe trained with Four Over Six
-            (its global scale is amax / (6 * 256); codes and scales are standard NVFP4).
-    """
-
-    name: str
-    source: str
-    fmt: str
-    weight: np.ndarray | None = None
-    packed: np.ndarray | None = None
-    scales: np.ndarray | None = None
-    weight_amax: np.float32 | None = None
-    input_amax: float | None = None
-    stored_decode_scale: np.float32 | None = None
-    block_scale_rule: str = "max"
-
-    @property
-    def global_decode_scale(self) -> np.float32:
-        """NVFP4: the shared DECODE scale, float32 1 / s_enc (~ amax / (6 * 448))."""
-        if self.stored_decode_scale is not None:
-            return np.float32(self.stored_decode_scale)
-        amax, rule = np.float32(self.weight_amax), self.block_scale_rule
-        return np.float32(nvfp4_format.global_decode_scale(amax, block_scale_rule=rule))
-
-    @property
-    def global_encode_scale(self) -> np.float32:
-        """NVFP4: the shared ENCODE scale s_enc = min(6 * 448 / amax, FLT_MAX), float32
-        (6 * 256 with Four Over Six)."""
-        amax, rule = np.float32(self.weight_amax), self.block_scale_rule
-        return np.float32(nvfp4_format.global_encode_scale(amax, block_scale_rule=rule))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """Logical [out, in]."""
-        if self.weight is not None:
-            return tuple(self.weight.shape)
-        return (self.packed.shape[0], self.packed.shape[1] * 2)
 
 
 def hf_modules(spec: LlamaSpec, source: str) -> list[tuple[str, int]]:

@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from nvfp4_export.dense_names import EMBED, LAYER_TENSORS, MODEL_TENSORS
+from nvfp4_export.dense_names import (
+    EMBED,
+    FINAL_NORM,
+    LAYER_TENSORS,
+    LM_HEAD,
+    MODEL_TENSORS,
+    DenseTensor,
+)
 from nvfp4_export.errors import ExportError
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
@@ -138,6 +145,11 @@ class LlamaSpec:
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
+    def has(self, t: DenseTensor) -> bool:
+        """Whether a model of this spec has dense tensor `t` (`dense_names`): it has no flag, or
+        the spec's flag of that name is `t.when`."""
+        return t.flag is None or getattr(self, t.flag) == t.when
+
     def linear_paths(self) -> list[str]:
         """`layers.{i}.attn.qkv`, ... for every quantizable linear, in model order."""
         return [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LINEAR_NAMES]
@@ -154,7 +166,7 @@ class LlamaSpec:
     def expected_params(self) -> dict[str, tuple[int, ...]]:
         """Parameter path -> shape, exactly the tree the training model has."""
         d, f, dense = self.d_model, self.mlp_dim, self._dense_shapes()
-        shapes = {t.param: dense[t.key] for t in MODEL_TENSORS if t.exists(self)}
+        shapes = {t.param: dense[t.key] for t in MODEL_TENSORS if self.has(t)}
         for i in range(self.num_layers):
             p = f"layers.{i}."
             shapes[p + "attn.qkv.kernel"] = (d, sum(self.qkv_split))
@@ -162,9 +174,23 @@ class LlamaSpec:
             shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
             shapes[p + "mlp.down.kernel"] = (f, d)
             for t in LAYER_TENSORS:
-                if t.exists(self):
+                if self.has(t):
                     shapes[t.in_layer(i).param] = dense[t.key]
         return shapes
+
+
+def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
+    """The dense tensors a model of `spec` has, placed, in model order: embed, layer 0's, ...,
+    final_norm, lm_head.
+
+    Example:
+        >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...                  head_dim=16, mlp_dim=32, qk_norm=True)
+        >>> [t.hf_name for t in dense_entries(spec) if t.layer is not None][-2:]
+        ['model.layers.0.self_attn.q_norm.weight', 'model.layers.0.self_attn.k_norm.weight']
+    """
+    layers = [t.in_layer(i) for i in range(spec.num_layers) for t in LAYER_TENSORS]
+    return [t for t in (EMBED, *layers, FINAL_NORM, LM_HEAD) if spec.has(t)]
 
 
 def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

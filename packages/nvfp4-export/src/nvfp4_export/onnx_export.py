@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from nvfp4_export.checkpoint import read_checkpoint, resolve_checkpoint
@@ -21,6 +22,8 @@ def export_onnx(
     form: str = "portable",
     step: int | None = None,
     overwrite: bool = False,
+    integrity_check: bool = True,
+    log: Callable[[str], None] = lambda _: None,
 ) -> Path:
     """Writes the checkpoint's decoder as ONNX with packed FP4 weights.
 
@@ -30,6 +33,9 @@ def export_onnx(
         form: "portable" (opset 18, onnxruntime CPU) or "dq" (opset 23 DequantizeLinear FLOAT4E2M1).
         step: the checkpoint step (default: the newest).
         overwrite: replace an existing file.
+        integrity_check: compare the checkpoint with its `integrity` item, which must exist
+            (False: use it as found, with a warning).
+        log: receives warnings (what of the checkpoint could not be checked).
 
     Raises:
         ExportError: bad checkpoint, form or output path; onnx not installed.
@@ -44,7 +50,9 @@ def export_onnx(
         ) from err
     ref = resolve_checkpoint(checkpoint, step)
     out_path = check_file_target(Path(out_path), overwrite, source=ref)  # fail before the work
-    ckpt = read_checkpoint(ref)
+    ckpt = read_checkpoint(ref, integrity_check=integrity_check)
+    for note in ckpt.notes:
+        log("warning: " + note)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
     linears = []

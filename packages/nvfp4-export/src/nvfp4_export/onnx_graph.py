@@ -20,8 +20,8 @@ import numpy as np
 
 import nvfp4_format
 from nvfp4_export.dense_names import EMBED, FINAL_NORM, LM_HEAD, layer_tensor
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS
-from nvfp4_export.linears import ExportedLinear
 from nvfp4_export.model_spec import LlamaSpec
 
 FORMS = {"portable": (18, 8), "dq": (23, 11)}
@@ -233,7 +233,7 @@ def build_onnx(
     for i in range(spec.num_layers):
         x = _block(g, spec, i, x, mods, dense, tables, form)
     x = _rms_norm(g, x, dense[FINAL_NORM.hf_name], spec.rms_norm_eps)
-    head = dense[(LM_HEAD if LM_HEAD.exists(spec) else EMBED).hf_name]
+    head = dense[(LM_HEAD if spec.has(LM_HEAD) else EMBED).hf_name]
     head_t = g.op("Transpose", [_bf16_const(g, "lm_head", head)], perm=[1, 0])
     g.nodes.append(g.h.make_node("MatMul", [x, head_t], ["logits"]))
     graph = g.h.make_graph(

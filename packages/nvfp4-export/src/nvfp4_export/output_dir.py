@@ -24,10 +24,8 @@ from pathlib import Path
 
 from nvfp4_export.checkpoint import CHECKPOINTS_DIR, CheckpointRef
 from nvfp4_export.errors import ExportError
+from nvfp4_export.manifest import MANIFEST
 
-MANIFEST = "nvfp4_export.json"
-"""The file every export directory holds (its provenance, `reload.PROVENANCE_FILE`); what marks
-it as replaceable."""
 ONNX_PRODUCER = "nvfp4-export"
 
 

@@ -18,24 +18,22 @@ from nvfp4_export.dense_names import (
     LAYER_TENSORS,
     LM_HEAD,
     DenseTensor,
-    dense_entries,
     layer_tensor,
 )
 from nvfp4_export.errors import ExportError
+from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
     HF_QUANT_CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
     dense_hf_names,
 )
-from nvfp4_export.linears import ExportedLinear, dequantize_linear, export_linear, hf_modules
-from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
-from nvfp4_export.output_dir import MANIFEST
+from nvfp4_export.linears import dequantize_linear, export_linear, hf_modules
+from nvfp4_export.manifest import MANIFEST
+from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec, dense_entries
 from nvfp4_export.policy import weight_format
-from nvfp4_export.shard_writer import DTYPE_TAG
+from nvfp4_export.shard_writer import DTYPE_TAG, INDEX_FILE, SINGLE_FILE
 from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
 from nvfp4_format.safetensors_header import TensorInfo
@@ -86,10 +84,50 @@ def tensor_infos(tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
     return infos
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file of an export that must hold an object (config.json, the manifest, ...).
+
+    Raises:
+        ExportError: it cannot be read, is not JSON, or holds something else than an object.
+    """
+    content = read_json(path)
+    if not isinstance(content, dict):
+        raise ExportError(
+            f"{path.name} of export {str(path.parent)!r} must be a JSON object, got "
+            f"{type(content).__name__} {str(content)[:60]}"
+        )
+    return content
+
+
+MANIFEST_FIELDS = {"spec": dict, "layout": str, "format": str, "recipes": dict, "w4a4": bool}
+"""The manifest's fields that reading an export relies on, and their JSON types."""
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    manifest = read_json_object(path / PROVENANCE_FILE)
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ExportError(
+                f"{PROVENANCE_FILE} of export {str(path)!r} lacks {key!r} ({kind.__name__}); "
+                f"not an export of nvfp4-export, or edited"
+            )
+    try:
+        LlamaSpec(**manifest["spec"])
+    except (TypeError, ExportError) as err:
+        raise ExportError(f"{PROVENANCE_FILE} of export {str(path)!r}: bad spec: {err}") from None
+    return manifest
+
+
 def _weight_files(path: Path) -> list[str]:
     if (path / INDEX_FILE).is_file():
-        index = read_json(path / INDEX_FILE)
-        return sorted(set(index.get("weight_map", {}).values()))
+        weight_map = read_json_object(path / INDEX_FILE).get("weight_map")
+        files = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+        if not all(isinstance(f, str) and f == Path(f).name for f in files):
+            raise ExportError(
+                f"{INDEX_FILE} of export {str(path)!r} must map tensor names to file names in "
+                "the export directory"
+            )
+        return sorted(files)
     if (path / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
     raise ExportError(f"{str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -109,6 +147,9 @@ def load_export(path: str | Path) -> LoadedExport:
     for name in (CONFIG_FILE, PROVENANCE_FILE):
         if not (path / name).is_file():
             raise ExportError(f"export directory {str(path)!r} lacks {name}")
+    config, manifest = read_json_object(path / CONFIG_FILE), _manifest(path)
+    hf_quant = path / HF_QUANT_CONFIG_FILE
+    hf_quant_config = read_json_object(hf_quant) if hf_quant.is_file() else None
     tensors: dict[str, np.ndarray] = {}
     files = _weight_files(path)
     for file in files:
@@ -117,15 +158,7 @@ def load_export(path: str | Path) -> LoadedExport:
         except (OSError, ValueError) as err:
             raise ExportError(f"cannot read {str(path / file)!r}: {err}") from err
         tensors.update(part)
-    hf_quant = path / HF_QUANT_CONFIG_FILE
-    return LoadedExport(
-        path,
-        read_json(path / CONFIG_FILE),
-        read_json(path / PROVENANCE_FILE),
-        read_json(hf_quant) if hf_quant.is_file() else None,
-        tensors,
-        tuple(files),
-    )
+    return LoadedExport(path, config, manifest, hf_quant_config, tensors, tuple(files))
 
 
 def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> ExportedLinear:
@@ -208,12 +241,12 @@ def forward_weights(
 
 def dense_layer_names(spec: LlamaSpec) -> list[str]:
     """The `ForwardWeights` layer keys of the spec's non-linear tensors (norms, biases)."""
-    return [t.key for t in LAYER_TENSORS if t.exists(spec)]
+    return [t.key for t in LAYER_TENSORS if spec.has(t)]
 
 
 def _with_tied_head(spec: LlamaSpec, dense: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`dense` with its lm_head: the embedding itself when the spec ties them (no `LM_HEAD`)."""
-    return dense if LM_HEAD.exists(spec) else {**dense, LM_HEAD.key: dense[EMBED.key]}
+    return dense if spec.has(LM_HEAD) else {**dense, LM_HEAD.key: dense[EMBED.key]}
 
 
 def _from_hf(spec: LlamaSpec, t: DenseTensor, f32) -> np.ndarray:

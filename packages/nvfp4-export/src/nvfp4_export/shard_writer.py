@@ -23,10 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.json_files import write_json
 from nvfp4_format.safetensors_header import DTYPE_TAGS, PACKED_FP4_TAG
 
 DTYPE_TAG = {dtype: tag for tag, dtype in DTYPE_TAGS.items() if tag != PACKED_FP4_TAG}
 """NumPy dtype -> safetensors dtype tag (uint8 is "U8": packed codes are stored as bytes)."""
+SAFETENSORS_METADATA = {"format": "pt"}
+"""Every weight file's header metadata (transformers refuses files without it)."""
+SINGLE_FILE = "model.safetensors"
+"""The weight file of an unsharded export."""
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a sharded export's weight files (tensor name -> file)."""
 FILE_ORDER = {"F32": 5, "BF16": 4, "F16": 3, "F8_E4M3": 2, "U8": 1}
 """The tags an export writes -> their rank in the safetensors library's file order (higher
 first, then by name)."""
@@ -111,8 +118,6 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: Path, slots: Sequence[TensorSlot], max_shard_bytes: int) -> None:
-        from nvfp4_export.hf_files import SAFETENSORS_METADATA, SINGLE_FILE
-
         shards = shard_slots(slots, max_shard_bytes)
         n = len(shards)
         self.files = [SINGLE_FILE] if n == 1 else [
@@ -174,8 +179,6 @@ class ShardWriter:
             self._write_index()
 
     def _write_index(self) -> None:
-        from nvfp4_export.hf_files import INDEX_FILE, write_json
-
         weight_map = {s.name: self.files[self._where[s.name][0]] for s in self._slots.values()}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         write_json(self._out_dir / INDEX_FILE, index)

@@ -4,8 +4,8 @@ On disk (see docs/checkpoint-schema.md): `<run_dir>/checkpoints/<step>/` holds o
 `TrainState` field except `step` (`params`, `opt_state`: orbax PyTree/OCDBT, restorable without a
 target), `data_iter` (JSON: the grain iterator state), `config` (JSON: the resolved config) and
 `quant_stats` (JSON: `recipes` and `activation_amax` by module path), `reference` (PyTree: the
-model's logits on fixed tokens) and `integrity` (JSON: checksums of every saved array, see
-`nvfp4_train.checkpoint.integrity`). The step is the directory name. A state holding NaN or Inf is never
+model's logits on fixed tokens) and `integrity` (JSON: checksums of every saved array and the
+SHA-256 of the `config` and `quant_stats` items, see `nvfp4_train.checkpoint.integrity`). The step is the directory name. A state holding NaN or Inf is never
 saved (`NonFiniteState`); a restored one whose checksums differ, or that holds NaN or Inf, is
 refused (`CorruptCheckpoint`), so a run resumes from the previous checkpoint instead.
 
@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from nvfp4_train.checkpoint.integrity import state_integrity
+from nvfp4_train.checkpoint.integrity import json_sha256, state_integrity
 from nvfp4_train.checkpoint.items import (
     CONFIG_ITEM,
     DATA_ITER_ITEM,
@@ -149,6 +149,10 @@ class Checkpoints:
                 + ". Lower optimizer.learning_rate, or resume from that checkpoint."
             )  # fmt: skip
         items = {k: ocp.args.StandardSave(v) for k, v in state_items(state).items()}
+        json_items = {CONFIG_ITEM: config, QUANT_STATS_ITEM: quant_stats}  # for readers (export)
+        integrity["json_sha256"] = {
+            k: json_sha256(v) for k, v in json_items.items() if v is not None
+        }
         items[INTEGRITY_ITEM] = ocp.args.JsonSave(integrity)
         items[DATA_ITER_ITEM] = ocp.args.JsonSave(encode_iterator_state(data_iter_state))
         items[CONFIG_ITEM] = ocp.args.JsonSave(config)

@@ -9,10 +9,16 @@ The checksums of an array x with its bits read as unsigned integers u (64-bit va
 32 bits as hi ^ lo, narrower ones zero-extended): s1 = sum(u) mod 2^32 and
 s2 = sum(u * 0x9E3779B1 mod 2^32) mod 2^32. Integer sums in any order give the same result, so
 the checksums do not depend on the device mesh, and any single flipped bit changes s1.
+
+The checkpoint's JSON items (`config`, `quant_stats`) are covered too: `json_sha256(value)` is the
+SHA-256 of the value's canonical JSON (keys sorted, no whitespace, ASCII), which the value read
+back from its item has as well.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -23,6 +29,14 @@ from nvfp4_train.mesh.sharding import host_value
 
 ALGORITHM = "u32-sum+golden-sum"
 GOLDEN = 0x9E3779B1
+
+
+def json_sha256(value: Any) -> str:
+    """SHA-256 (hex) of `value` as canonical JSON: `json.dumps(value, sort_keys=True,
+    separators=(",", ":"), ensure_ascii=True)` encoded as ASCII (docs/checkpoint-schema.md;
+    nvfp4-export computes the same, `nvfp4_export.json_files.json_sha256`)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _as_u32(x: jax.Array) -> jax.Array:
