@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.recipe import Recipe
+from nvfp4_ops.probe import probe_backend
+from nvfp4_ops.recipe import Recipe, get_recipe
 
 BACKENDS = ("emulated", "xla", "te")
 
@@ -120,8 +121,6 @@ def _cuda() -> bool:
 
 def _probe(backend: str) -> str | None:
     """None if `backend` compiles and runs its real path here (`nvfp4_ops.probe`), else why not."""
-    from nvfp4_ops.probe import probe_backend  # probe imports dot, which imports this module
-
     try:
         probe_backend(backend)
     except Exception as err:  # noqa: BLE001 - any failure means "not available here"
@@ -323,8 +322,6 @@ def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
 def auto_backend() -> tuple[str, str]:
     """(backend, why) that "auto" uses for a plain BF16 call of the "nvfp4" recipe on one device
     here, given the verifications recorded so far in this process."""
-    from nvfp4_ops.recipe import get_recipe
-
     call = Call(get_recipe("nvfp4"))
     reasons = []
     for name in auto_order():
