@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,29 +9,8 @@ import numpy as np
 from nvfp4_ops.backends import Call, operand_devices, select_backend
 from nvfp4_ops.canonical import make_layout
 from nvfp4_ops.dispatch import run_backend
-from nvfp4_ops.gemm_table import require_key
-from nvfp4_ops.recipe import Recipe, get_recipe
-
-
-def _as_recipe(recipe: Recipe | str) -> Recipe:
-    if isinstance(recipe, str):
-        return get_recipe(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
-    return recipe
-
-
-def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
-    require_key(key, recipe)
-    if key is None:
-        return None
-    if not isinstance(key, jax.Array):
-        raise TypeError(f"key must be a JAX PRNG key, got {type(key).__name__}")
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    if key.dtype == jnp.uint32 and key.shape == (2,):
-        return jax.random.wrap_key_data(key)
-    raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
+from nvfp4_ops.gemm_table import as_key
+from nvfp4_ops.recipe import Recipe, as_recipe
 
 
 def dot_general(
@@ -86,7 +63,7 @@ def dot_general(
       >>> y.shape
       (4, 16)
     """
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     if not recipe.quantized:
         return jax.lax.dot_general(
             lhs,
@@ -96,7 +73,7 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
-    key = _as_key(key, recipe)
+    key = as_key(key, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if 0 in layout.bmkn:  # nothing to quantize: the exact (empty, or all-zero) product
