@@ -44,7 +44,8 @@ log = logging.getLogger("nvfp4_ops")
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a backend must be able to run: one quantized dot_general.
+    """What a backend must be able to run: one quantized dot_general, or one grouped call
+    (`ragged_dot`).
 
     Attributes:
       recipe: the recipe.
@@ -53,6 +54,7 @@ class Call:
       out_dtype: the dtype the result is written in (`preferred_element_type`); None: the
         compute dtype.
       devices: how many devices the operands may be spread over (`operand_devices`).
+      grouped: a grouped (ragged, Mixture-of-Experts) call, `nvfp4_ops.ragged_dot`.
     """
 
     recipe: Recipe
@@ -60,6 +62,7 @@ class Call:
     compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
     out_dtype: np.dtype | None = None
     devices: int = 1
+    grouped: bool = False
 
 
 def operand_devices(*operands) -> int:
@@ -275,8 +278,10 @@ def unsupported(backend: str, call: Call) -> str | None:
     if not ok:
         return f"not available here: {why}"
     if backend == "te":
-        from nvfp4_ops.te_backend import te_unsupported
+        from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED, te_unsupported
 
+        if call.grouped:
+            return TE_GROUPED_UNSUPPORTED
         return te_unsupported(call.recipe, call.batch, call.compute_dtype, call.out_dtype)
     return None
 
