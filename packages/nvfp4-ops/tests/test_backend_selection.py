@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import nvfp4_ops
-from nvfp4_ops import backends, dot, probe, te_backend
+from nvfp4_ops import backends, dispatch, probe, te_backend
 from nvfp4_ops.backends import Call, select_backend
 from nvfp4_ops.recipe import Recipe, TensorQuant, get_recipe
 
@@ -295,9 +295,9 @@ def test_a_native_backend_whose_real_path_fails_is_unavailable(monkeypatch, fake
         raise RuntimeError("no cuDNN engine for this block-scaled dot (fake)")
 
     monkeypatch.setitem(nvfp4_ops.gemm.GEMMS, "xla", crash)
-    dot._canonical_dot.clear_cache()  # the probe's xla trace may be cached from the real GEMM
+    dispatch._canonical_dot.clear_cache()  # the probe's xla trace may be cached from the real GEMM
     ok, why = backends._xla_available()
-    dot._canonical_dot.clear_cache()
+    dispatch._canonical_dot.clear_cache()
     assert not ok and "RuntimeError: no cuDNN engine for this block-scaled dot (fake)" in why
     # TE: every host check passes, then its forward and gradients fail
     fake_te("2.20.2")
@@ -327,11 +327,11 @@ def test_the_xla_probe_runs_the_real_path_padded_for_a_gpu(monkeypatch):
 
     monkeypatch.setattr(nvfp4_ops.gemm, "_block_scaled_dot", recording_dot)
     monkeypatch.setitem(nvfp4_ops.gemm.GEMMS, "xla", recording_gemm)
-    monkeypatch.setattr(dot, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     try:  # asked first inside a trace, as a dot_general under jax.jit asks: it still runs
         jax.make_jaxpr(lambda a: probe.probe_backend("xla") or a)(jnp.ones(2))
     finally:
-        dot._canonical_dot.clear_cache()
+        dispatch._canonical_dot.clear_cache()
     fp4 = np.dtype(jnp.float4_e2m1fn)
     assert {(a, b) for a, b, _ in seen} == {(fp4, fp4)}
     # (M, K, N) = (24, 40, 8): Fprop contracts K 40 -> 64, Dgrad N 8 -> 32, Wgrad M 24 -> 32
@@ -345,13 +345,13 @@ def test_contractions_16_mod_32_are_padded_to_what_each_target_takes(k):
     nvfp4, no_rht = get_recipe("nvfp4"), get_recipe("nvfp4-no-rht")
     padded = lambda size, multiple: -(-size // multiple) * multiple  # noqa: E731
     for recipe in (nvfp4, no_rht):
-        assert padded(k, dot.padding_multiple(recipe, "xla", "gpu")) % 32 == 0
+        assert padded(k, dispatch.padding_multiple(recipe, "xla", "gpu")) % 32 == 0
         for axis in te_backend.te_alignment(recipe):
             assert padded(k, axis) % 32 == 0  # TE's GEMM asserts K % 32 on every axis it contracts
         # elsewhere the recipe's own 16 stays: nothing to pad, no extra work on CPU
-        assert padded(k, dot.padding_multiple(recipe, "xla", "cpu")) == k
-        assert padded(k, dot.padding_multiple(recipe, "emulated", "gpu")) == k
-    assert dot.padding_multiple(get_recipe("mxfp4"), "xla", "gpu") == 32
+        assert padded(k, dispatch.padding_multiple(recipe, "xla", "cpu")) == k
+        assert padded(k, dispatch.padding_multiple(recipe, "emulated", "gpu")) == k
+    assert dispatch.padding_multiple(get_recipe("mxfp4"), "xla", "gpu") == 32
 
 
 def test_te_sharding_refuses_an_axis_the_mesh_lacks():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 import nvfp4_ops
 from nvfp4_ops.cli import main
+from nvfp4_ops.grouped.gemm import GROUPED_GEMMS
 
 MATMUL = (((1,), (0,)), ((), ()))
 CAPS = nvfp4_ops.backend_capabilities()
@@ -86,13 +88,23 @@ def test_doctor_verify_passes_here_and_writes_json(capsys, tmp_path):
     (report,) = json.loads(path.read_text())
     assert report["ok"] and report["backend"] == "xla"
     cases = {(c["case"], c["recipe"], c["quantity"]) for c in report["checks"]}
-    assert len(cases) == 18  # 3 shapes x 2 presets x (y, dx, dw)
+    assert len(cases) == 24  # 4 shapes (one grouped) x 2 presets x (y, dx, dw)
+    assert {c for c, *_ in cases} == {"aligned", "unaligned", "batched", "grouped"}
     assert set(report["steps_per_second"]) == {"xla", "emulated"}
 
 
 def _off_by(factor):
     gemm = nvfp4_ops.gemm.GEMMS["xla"]
     return lambda *args, **kwargs: gemm(*args, **kwargs) * factor
+
+
+def _grouped_off_by(factor):
+    gemms = GROUPED_GEMMS["xla"]
+    return dataclasses.replace(
+        gemms,
+        rows=lambda *args: gemms.rows(*args) * factor,
+        wgrad=lambda *args: gemms.wgrad(*args) * factor,
+    )
 
 
 @pytest.mark.skipif(not CAPS["xla"][0], reason=CAPS["xla"][1])
@@ -108,6 +120,7 @@ def _off_by(factor):
 )
 def test_a_backend_made_to_disagree_fails_verification(monkeypatch, capsys, factor, caught):
     monkeypatch.setitem(nvfp4_ops.gemm.GEMMS, "xla", _off_by(factor))
+    monkeypatch.setitem(GROUPED_GEMMS, "xla", _grouped_off_by(factor))
     jax.clear_caches()
     # no timing: the speeds are the doctor test's (and the CLI run below times them again)
     report = nvfp4_ops.verify_backend("xla", recipes=("nvfp4-no-sr", "nvfp4"), measure_speed=False)

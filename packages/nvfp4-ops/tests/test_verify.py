@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nvfp4_ops
-from nvfp4_ops import backends, dot, formats, gemm, gemm_table, verify
+from nvfp4_ops import backends, dispatch, formats, gemm, gemm_table, verify
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_transform
 from nvfp4_ops.quantizers import dequantize_operand
 from nvfp4_ops.verify import BATTERY, Case
@@ -30,7 +30,7 @@ RUNNER = verify._runner  # the cached runners (a test below wraps verify._runner
 def _retrace_xla() -> None:
     """Drop the compiled xla runs of the small case (a fault must reach the xla backend's trace);
     the emulated reference stays compiled."""
-    dot._canonical_dot.clear_cache()
+    dispatch._canonical_dot.clear_cache()
     for case in SMALL:
         for recipe in RNE:
             RUNNER(case, recipe, "xla").clear_cache()

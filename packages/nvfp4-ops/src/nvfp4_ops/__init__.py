@@ -2,7 +2,8 @@
 
 Three quantized GEMMs per linear layer (Fprop, Dgrad, Wgrad) with 16x16 weight tiles, the random
 Hadamard transform on the Wgrad operands and stochastic rounding of gradients, behind a drop-in
-replacement for `jax.lax.dot_general`; plus `hadamard_transform`, `fake_quantize` and the backend
+replacement for `jax.lax.dot_general`, and for grouped experts (Mixture-of-Experts) behind
+`ragged_dot`, in the spirit of `jax.lax.ragged_dot`; plus `hadamard_transform`, `fake_quantize` and the backend
 capability report, per-call backend selection, the on-machine verification used by
 `nvfp4-ops doctor [--verify]` (and required before "auto" uses a native backend), and
 `te_sharding` for TransformerEngine calls on a sharded mesh.
@@ -22,6 +23,7 @@ from nvfp4_ops.backends import (
 from nvfp4_ops.dot import dot_general
 from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
+from nvfp4_ops.grouped import ragged_dot
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.qdot import RESIDUAL_NAME
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, compose, get_recipe
@@ -58,6 +60,7 @@ __all__ = [
     "hadamard_transform",
     "operand_stats",
     "quantize_fp8",
+    "ragged_dot",
     "select_backend",
     "te_sharding",
     "verification",

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.recipe import Recipe
+from nvfp4_ops.probe import probe_backend
+from nvfp4_ops.recipe import Recipe, get_recipe
 
 BACKENDS = ("emulated", "xla", "te")
 
@@ -43,7 +44,8 @@ log = logging.getLogger("nvfp4_ops")
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a backend must be able to run: one quantized dot_general.
+    """What a backend must be able to run: one quantized dot_general, or one grouped call
+    (`ragged_dot`).
 
     Attributes:
       recipe: the recipe.
@@ -52,6 +54,7 @@ class Call:
       out_dtype: the dtype the result is written in (`preferred_element_type`); None: the
         compute dtype.
       devices: how many devices the operands may be spread over (`operand_devices`).
+      grouped: a grouped (ragged, Mixture-of-Experts) call, `nvfp4_ops.ragged_dot`.
     """
 
     recipe: Recipe
@@ -59,6 +62,7 @@ class Call:
     compute_dtype: np.dtype = np.dtype(jnp.bfloat16)
     out_dtype: np.dtype | None = None
     devices: int = 1
+    grouped: bool = False
 
 
 def operand_devices(*operands) -> int:
@@ -120,8 +124,6 @@ def _cuda() -> bool:
 
 def _probe(backend: str) -> str | None:
     """None if `backend` compiles and runs its real path here (`nvfp4_ops.probe`), else why not."""
-    from nvfp4_ops.probe import probe_backend  # probe imports dot, which imports this module
-
     try:
         probe_backend(backend)
     except Exception as err:  # noqa: BLE001 - any failure means "not available here"
@@ -276,8 +278,10 @@ def unsupported(backend: str, call: Call) -> str | None:
     if not ok:
         return f"not available here: {why}"
     if backend == "te":
-        from nvfp4_ops.te_backend import te_unsupported
+        from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED, te_unsupported
 
+        if call.grouped:
+            return TE_GROUPED_UNSUPPORTED
         return te_unsupported(call.recipe, call.batch, call.compute_dtype, call.out_dtype)
     return None
 
@@ -323,8 +327,6 @@ def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
 def auto_backend() -> tuple[str, str]:
     """(backend, why) that "auto" uses for a plain BF16 call of the "nvfp4" recipe on one device
     here, given the verifications recorded so far in this process."""
-    from nvfp4_ops.recipe import get_recipe
-
     call = Call(get_recipe("nvfp4"))
     reasons = []
     for name in auto_order():

@@ -2,68 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_ops.backends import Call, operand_devices, select_backend
-from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
-from nvfp4_ops.gemm_table import require_key
-from nvfp4_ops.qdot import GemmConfig, quantized_dot
-from nvfp4_ops.recipe import Recipe, get_recipe
-
-XLA_GPU_CONTRACTION_MULTIPLE = 32
-"""What the xla backend pads every axis to on a GPU (each of M, K and N is the contraction of one
-of the three GEMMs). XLA hands `jax.nn.scaled_matmul` to cuDNN's block-scaled GEMM, whose FP4
-operands are read with 16-byte-aligned rows (32 E2M1 codes; XLA's rewriter pads the block scales
-to its 128x4 tiles but not the data); the recipe's own 16 would leave K = 16 mod 32 (16, 48, 80,
-112, ...) to fail there. Read from XLA's block_scaling_rewriter and cuDNN's alignment rules;
-untested on hardware (docs/ops.md, GPU-only risks)."""
-
-
-def padding_multiple(recipe: Recipe, backend: str, platform: str) -> int:
-    """The multiple that M, K and N are zero-padded to when `backend` runs `recipe` on `platform`.
-
-    The recipe's alignment (16 for NVFP4 blocks and tiles, 32 for MXFP4), raised to a multiple of
-    `XLA_GPU_CONTRACTION_MULTIPLE` for "xla" on a GPU. ("te" pads to `te_alignment` itself.)
-
-    Example:
-      >>> padding_multiple(get_recipe("nvfp4"), "xla", "gpu")
-      32
-    """
-    if backend == "xla" and platform == "gpu":
-        return math.lcm(recipe.alignment, XLA_GPU_CONTRACTION_MULTIPLE)
-    return recipe.alignment
-
-
-def _platform() -> str:
-    """The platform the padding is chosen for: JAX's default backend ("cpu", "gpu", "tpu")."""
-    return jax.default_backend()
-
-
-def _as_recipe(recipe: Recipe | str) -> Recipe:
-    if isinstance(recipe, str):
-        return get_recipe(recipe)
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
-    return recipe
-
-
-def _as_key(key: Any, recipe: Recipe) -> jax.Array | None:
-    require_key(key, recipe)
-    if key is None:
-        return None
-    if not isinstance(key, jax.Array):
-        raise TypeError(f"key must be a JAX PRNG key, got {type(key).__name__}")
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    if key.dtype == jnp.uint32 and key.shape == (2,):
-        return jax.random.wrap_key_data(key)
-    raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
+from nvfp4_ops.canonical import make_layout
+from nvfp4_ops.dispatch import run_backend
+from nvfp4_ops.gemm_table import as_key
+from nvfp4_ops.recipe import Recipe, as_recipe
 
 
 def dot_general(
@@ -116,7 +63,7 @@ def dot_general(
       >>> y.shape
       (4, 16)
     """
-    recipe = _as_recipe(recipe)
+    recipe = as_recipe(recipe)
     if not recipe.quantized:
         return jax.lax.dot_general(
             lhs,
@@ -126,7 +73,7 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
-    key = _as_key(key, recipe)
+    key = as_key(key, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if 0 in layout.bmkn:  # nothing to quantize: the exact (empty, or all-zero) product
@@ -140,27 +87,3 @@ def dot_general(
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
-
-
-def run_backend(backend: str, lhs, rhs, layout, recipe: Recipe, key, out_dtype) -> jax.Array:
-    """The quantized product through `backend` (already selected: nothing is checked here)."""
-    if backend == "te":
-        from nvfp4_ops.te_backend import te_dot  # lazy: TransformerEngine is optional
-
-        return te_dot(lhs, rhs, layout, recipe, key, out_dtype)
-    multiple = padding_multiple(recipe, backend, _platform())
-    return _canonical_dot(lhs, rhs, layout, recipe, key, backend, out_dtype, multiple)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 5, 6, 7))
-def _canonical_dot(lhs, rhs, layout, recipe, key, backend, out_dtype, multiple) -> jax.Array:
-    """Canonicalise, pad M, K, N to `multiple`, run the quantized custom_vjp, restore the layout
-    (one jit per shape)."""
-    b, m, k, n = layout.bmkn
-    a = multiple
-    cfg = GemmConfig(recipe, backend, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    with jax.named_scope(f"nvfp4/dot_general[{recipe.name}]"):
-        x, w = to_canonical(lhs, rhs, layout)
-        x, w = pad_to(x, (1, a, a)), pad_to(w, (1, a, a))
-        y = quantized_dot(x, w, key, cfg)
-        return from_canonical(y[:, :m, :n], layout)

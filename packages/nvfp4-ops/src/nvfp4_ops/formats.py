@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_format
-from nvfp4_ops.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+from nvfp4_ops.fp8 import FP8_MAX, dequantize_fp8, fp8_amax, quantize_fp8
 
 E4M3_MAX = FP8_MAX["fp8_e4m3"]
 
@@ -49,8 +49,13 @@ class FormatOps:
       block_scale_rules: the `TensorQuant.block_scale_rule` values it takes.
       outer_scales: the `TensorQuant.outer_scale` values it takes.
       quantized: False for a format that passes the operand through unchanged ("bf16").
-      quantize: (x, tq, uniform) -> the quantized operand, blocks along the last axis; `uniform`
-        is None for round to nearest, else float32 uniforms in (0, 1) of x's shape.
+      quantize: (x, tq, uniform, amax=None) -> the quantized operand, blocks along the last
+        axis; `uniform` is None for round to nearest, else float32 uniforms in (0, 1) of x's
+        shape; `amax` None, or the amax that sets the outer scale(s) in place of x's own
+        (`outer_amax`'s shape): a tensor quantized in parts passes the whole tensor's.
+      outer_amax: (x, tq) -> the amax that sets the outer (FP32 tensor or row) scale of x as
+        `quantize` takes it (a scalar, or [..., 1] per row), or None for a format without one
+        (MX formats, "bf16"); the maximum is exact, so it can be combined over parts.
       dequantize: (q, dtype) -> the decoded operand as `dtype`.
       gemm_operand: (q, transposed) -> (element values [B, P, C], block scales [B, P, C/block]
         or None, global decode scale): the operand as `gemm.xla_gemm` contracts it;
@@ -66,6 +71,7 @@ class FormatOps:
     dequantize: Callable[[Any, Any], jax.Array]
     gemm_operand: Callable[[Any, bool], tuple[jax.Array, jax.Array | None, jax.Array]]
     counts: Callable[..., tuple[jax.Array, ...]] | None
+    outer_amax: Callable[[jax.Array, Any], jax.Array | None] = lambda x, tq: None
     block_scale_rules: tuple[str, ...] = ("max",)
     outer_scales: tuple[str, ...] = ("tensor",)
 
@@ -115,15 +121,24 @@ def _element_count(x32: jax.Array) -> jax.Array:
 # --- NVFP4 ----------------------------------------------------------------------------------
 
 
-def _quantize_nvfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+def _quantize_nvfp4(x: jax.Array, tq, uniform: jax.Array | None, amax=None) -> Any:
     return nvfp4_format.quantize(
         x,
         tq.block_shape,
+        global_amax=amax,
         rounding=tq.rounding,
         uniform=uniform,
         block_scale_rule=tq.block_scale_rule,
         outer_scale=tq.outer_scale,
     )
+
+
+def _nvfp4_outer_amax(x: jax.Array, tq) -> jax.Array:
+    """max|x| (float32): of the tensor, or per row [..., 1] with outer_scale="row"."""
+    magnitude = jnp.abs(x.astype(jnp.float32))
+    if tq.outer_scale == "row":
+        return jnp.max(magnitude, axis=-1, keepdims=True)
+    return jnp.max(magnitude)
 
 
 def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:
@@ -176,7 +191,7 @@ def _nvfp4_counts(x32: jax.Array, q, xq: jax.Array, tq) -> tuple[jax.Array, ...]
 # --- MXFP4 ----------------------------------------------------------------------------------
 
 
-def _quantize_mxfp4(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+def _quantize_mxfp4(x: jax.Array, tq, uniform: jax.Array | None, amax=None) -> Any:
     return nvfp4_format.quantize_mxfp4(x, MXFP4_SCALE_RULE, rounding=tq.rounding, uniform=uniform)
 
 
@@ -222,15 +237,15 @@ def _mx_counts(elem_max: float) -> Callable[..., tuple[jax.Array, ...]]:
 # --- MXFP8 ----------------------------------------------------------------------------------
 
 
-def _quantize_mxfp8(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
+def _quantize_mxfp8(x: jax.Array, tq, uniform: jax.Array | None, amax=None) -> Any:
     return nvfp4_format.quantize_mxfp8(x, MXFP8_SCALE_RULE)
 
 
 # --- FP8 (per-tensor current scaling) -------------------------------------------------------
 
 
-def _quantize_fp8(x: jax.Array, tq, uniform: jax.Array | None) -> Any:
-    return quantize_fp8(x, tq.fmt)
+def _quantize_fp8(x: jax.Array, tq, uniform: jax.Array | None, amax=None) -> Any:
+    return quantize_fp8(x, tq.fmt, amax)
 
 
 def _fp8_gemm_operand(q: Any, transposed: bool):
@@ -282,6 +297,7 @@ _FP8 = {
     "dequantize": dequantize_fp8,
     "gemm_operand": _fp8_gemm_operand,
     "counts": _fp8_counts,
+    "outer_amax": lambda x, tq: fp8_amax(x),
 }
 
 FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
@@ -294,6 +310,7 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             dequantize=_dequantize_nvfp4,
             gemm_operand=_nvfp4_gemm_operand,
             counts=_nvfp4_counts,
+            outer_amax=_nvfp4_outer_amax,
             block_scale_rules=("max", "4over6"),
             outer_scales=("tensor", "row"),
         ),
@@ -319,7 +336,7 @@ FORMAT_OPS: MappingProxyType[str, FormatOps] = MappingProxyType(
             block_shapes=(None,),
             stochastic=False,
             quantized=False,
-            quantize=lambda x, tq, uniform: x,
+            quantize=lambda x, tq, uniform, amax=None: x,
             dequantize=lambda q, dtype: q.astype(dtype),
             gemm_operand=_unquantized_gemm_operand,
             counts=None,

@@ -23,8 +23,11 @@ class FP8Tensor(NamedTuple):
     decode_scale: jax.Array
 
 
-def quantize_fp8(x: jax.Array, fmt: str = "fp8_e4m3") -> FP8Tensor:
+def quantize_fp8(x: jax.Array, fmt: str = "fp8_e4m3", amax: jax.Array | None = None) -> FP8Tensor:
     """Quantize `x` to FP8 with a per-tensor current scale (see module docstring).
+
+    `amax`: the amax that sets the scale, default max|x| (a caller quantizing one tensor in
+    parts passes the whole tensor's, as the grouped GEMMs do per group).
 
     Example:
       >>> t = quantize_fp8(jnp.array([1.0, -448.0, 3.0]))
@@ -36,13 +39,19 @@ def quantize_fp8(x: jax.Array, fmt: str = "fp8_e4m3") -> FP8Tensor:
     fmax = FP8_MAX[fmt]
     with jax.named_scope(f"nvfp4/quantize_{fmt}"):
         x32 = x.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+        if amax is None:
+            amax = fp8_amax(x32)
         safe = (amax > 0) & jnp.isfinite(amax)
         encode = jnp.where(safe, jnp.float32(fmax) / jnp.where(safe, amax, 1.0), 1.0)
         encode = jnp.minimum(encode, jnp.finfo(jnp.float32).max)
         data = jnp.clip(x32 * encode, -fmax, fmax).astype(FP8_DTYPES[fmt])
         decode = jnp.where(jnp.isfinite(amax), 1.0 / encode, jnp.nan).astype(jnp.float32)
         return FP8Tensor(data, decode)
+
+
+def fp8_amax(x: jax.Array) -> jax.Array:
+    """max|x| in float32 (0 for an empty x): the amax of the per-tensor scale."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32))) if x.size else jnp.float32(0)
 
 
 def dequantize_fp8(t: FP8Tensor, dtype=jnp.float32) -> jax.Array:

@@ -214,6 +214,26 @@ def split_keys(key: jax.Array | None) -> dict[str, jax.Array | None]:
     return dict(zip(KEY_SLOTS, jax.random.split(key, len(KEY_SLOTS)), strict=True))
 
 
+def as_key(key: Any, recipe: Recipe) -> jax.Array | None:
+    """The stochastic-rounding key argument of a call of `recipe`, checked (`require_key`) and
+    typed: a typed PRNG key as is, raw uint32[2] key data wrapped (threefry), None when the
+    recipe rounds nothing stochastically and none was given.
+
+    Raises:
+      ValueError: no key for a recipe that needs one. TypeError: not a PRNG key.
+    """
+    require_key(key, recipe)
+    if key is None:
+        return None
+    if not isinstance(key, jax.Array):
+        raise TypeError(f"key must be a JAX PRNG key, got {type(key).__name__}")
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(key)
+    raise TypeError(f"key must be a PRNG key (typed, or raw uint32[2]), got {key.dtype}{key.shape}")
+
+
 def require_key(key: Any, settings: Recipe | TensorQuant) -> None:
     """The missing-key check: a ValueError if `settings` round stochastically and `key` is None.
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_ops.canonical import make_layout
+from nvfp4_ops.dispatch import run_backend
 from nvfp4_ops.recipe import get_recipe
 
 PROBE_SHAPE = (24, 40, 8)
@@ -33,8 +34,6 @@ _MATMUL = (((1,), (0,)), ((), ()))
 
 def _linear(backend: str):
     """(x, w, key) -> y through `backend`'s quantized path, as `dot_general` dispatches it."""
-    from nvfp4_ops.dot import run_backend
-
     recipe = get_recipe("nvfp4")
     m, k, n = PROBE_SHAPE
     layout = make_layout((m, k), (k, n), _MATMUL)

@@ -23,8 +23,11 @@ __all__ = [
     "dequantize_operand",
     "is_fp8",
     "materialised",
+    "bytes_as_uniform",
     "quantize_operand",
+    "quantize_with",
     "sr_uniform",
+    "words_as_uniform",
 ]
 
 
@@ -34,7 +37,8 @@ def sr_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     u = (b + 0.5) / 256 with b a uniform byte, as TE's kernels draw 8 bits per element (the +0.5
     centres each bin, so the rounding bias is at most 1/512 of a grid step and zero at the 256
     representable fractions). The bytes come from `jax.random.bits(key, n/4, uint32)` bitcast to
-    uint8: a quarter of the PRNG work of one draw per element.
+    uint8: a quarter of the PRNG work of one draw per element. (`nvfp4_ops.grouped` draws the
+    same words from threefry counters, `words_as_uniform` turning them into these numbers.)
 
     Args:
       key: a JAX PRNG key (typed or raw uint32); its implementation (threefry, rbg, ...) is used.
@@ -45,11 +49,19 @@ def sr_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         n *= s
     with jax.named_scope("nvfp4/sr_random_bits"):
         if n % 4 == 0:
-            words = jax.random.bits(key, (n // 4,), jnp.uint32)
-            b = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
-        else:
-            b = jax.random.bits(key, shape, jnp.uint8)
-        return (b.astype(jnp.float32) + 0.5) * jnp.float32(1.0 / 256.0)
+            return words_as_uniform(jax.random.bits(key, (n // 4,), jnp.uint32), shape)
+        return bytes_as_uniform(jax.random.bits(key, shape, jnp.uint8))
+
+
+def words_as_uniform(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`sr_uniform`'s numbers from its uint32 words: each word bit-cast to 4 bytes (in XLA's
+    byte order), the bytes laid out in `shape` in order."""
+    return bytes_as_uniform(jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape))
+
+
+def bytes_as_uniform(b: jax.Array) -> jax.Array:
+    """u = (b + 0.5) / 256 in float32 for uint8 b (see `sr_uniform`)."""
+    return (b.astype(jnp.float32) + 0.5) * jnp.float32(1.0 / 256.0)
 
 
 def quantize_operand(x: jax.Array, tq: TensorQuant, key: jax.Array | None = None) -> Any:
@@ -62,8 +74,17 @@ def quantize_operand(x: jax.Array, tq: TensorQuant, key: jax.Array | None = None
     """
     require_key(key, tq)
     uniform = sr_uniform(key, x.shape) if tq.rounding == "stochastic" else None
+    return quantize_with(x, tq, uniform)
+
+
+def quantize_with(
+    x: jax.Array, tq: TensorQuant, uniform: jax.Array | None, amax: jax.Array | None = None
+) -> Any:
+    """`quantize_operand` with the random numbers given (`sr_uniform`'s, for stochastic
+    rounding; None for round to nearest) and, optionally, the amax that sets the outer scale
+    (`FormatOps.outer_amax`; default x's own)."""
     with jax.named_scope(f"nvfp4/quantize_{tq.fmt}"):
-        return FORMAT_OPS[tq.fmt].quantize(x, tq, uniform)
+        return FORMAT_OPS[tq.fmt].quantize(x, tq, uniform, amax)
 
 
 def dequantize_operand(q: Any, tq: TensorQuant, dtype=jnp.float32) -> jax.Array:

@@ -381,3 +381,16 @@ def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; expected one of {sorted(RECIPES)}")
     return RECIPES[name]
+
+
+def as_recipe(recipe: Recipe | str) -> Recipe:
+    """`recipe` itself, or the preset it names (a `dot_general` / `ragged_dot` argument).
+
+    Raises:
+      TypeError: neither a `Recipe` nor a string. ValueError: an unknown preset name.
+    """
+    if isinstance(recipe, str):
+        return get_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe or a preset name, got {type(recipe).__name__}")
+    return recipe

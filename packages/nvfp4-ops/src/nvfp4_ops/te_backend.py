@@ -81,6 +81,17 @@ NVFP4 layers and GEMM tests use. TE's JAX GEMM accepts any output dtype when tra
 output of the FP4 GEMM is reported to fail in cuBLASLt when run (issue 27; untested on hardware),
 so a call asking for FP16 (or anything else) goes to another backend."""
 
+TE_GROUPED_UNSUPPORTED = (
+    "TransformerEngine's JAX grouped GEMM (grouped_dense / grouped_gemm) takes no NVFP4 operands "
+    "in the releases checked (up to 2.20.2): its grouped quantization has no NVFP4 path (no "
+    "per-group global scales, RHT or stochastic-rounding state; GroupedScaledTensor1x sets "
+    "has_rht_applied=False 'until grouped quantization supports NVFP4'), and its grouped GEMM "
+    "sizes scales for tensor scaling and MXFP8 only"
+)
+"""Why a grouped call (`ragged_dot`) never runs on "te". The conformance session reads the
+released TE JAX sources for it (conformance/test_te_grouped.py) and fails the day TE's grouped
+quantize or GEMM handles an NVFP4 scaling mode, so that this refusal is looked at again."""
+
 AMAX_SCOPES = {"x": "TPSP", "kernel": "FSDP", "grad": "TPSP"}
 """The `AmaxScope` member each operand's quantize passes, as TE's `dense` passes them (2.14 to
 2.20.2: transformer_engine/jax/dense.py); the conformance session checks it against `dense`."""

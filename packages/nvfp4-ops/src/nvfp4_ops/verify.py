@@ -1,7 +1,8 @@
 """Check a backend against the emulated one on this machine before trusting it.
 
-`verify_backend(backend)` runs a fixed battery - aligned, unaligned (padded) and batched shapes;
-the forward y and the gradients dX and dW; round-to-nearest and stochastic-rounding presets -
+`verify_backend(backend)` runs a fixed battery - aligned, unaligned (padded) and batched shapes,
+and a grouped (Mixture-of-Experts) call of `ragged_dot`; the forward y and the gradients dX and
+dW; round-to-nearest and stochastic-rounding presets -
 through `backend` and through "emulated", and compares them:
 
 - round to nearest: every element within a derived bound. Both backends quantize to the same
@@ -31,7 +32,7 @@ both on CPU, and a GEMM with the assumed tensor-core accumulation, which passes)
 A backend that raises while it is verified (a compile error, a missing kernel, a runtime
 failure) is reported with that error and fails (`VerifyReport.error`): it is not used, like one
 that disagrees. Every comparison is a `Check`; `VerifyReport.ok` is True when all pass and
-nothing crashed. Cases a backend cannot run (TE and batched calls) are reported as not
+nothing crashed. Cases a backend cannot run (TE and batched or grouped calls) are reported as not
 applicable: `select_backend` never gives them to it. The outcome is recorded for this process
 (`backends.record_verification`): "auto" uses a native backend only once it passed. The
 throughput of one forward + backward of the aligned case is measured for both backends.
@@ -49,6 +50,7 @@ import numpy as np
 
 from nvfp4_ops.backends import Call, record_verification, unsupported
 from nvfp4_ops.dot import dot_general
+from nvfp4_ops.grouped import ragged_dot
 from nvfp4_ops.recipe import get_recipe
 
 U = 2.0**-24
@@ -62,13 +64,16 @@ RECIPES = ("nvfp4-no-sr", "nvfp4")
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One dot_general of the battery: lhs [*batch, M, K] . rhs [*batch, K, N]."""
+    """One call of the battery: a dot_general lhs [*batch, M, K] . rhs [*batch, K, N], or with
+    `group_sizes` a grouped `ragged_dot` x [M, K] . w [E, K, N] (E = len(group_sizes); rows
+    past their sum are padding)."""
 
     name: str
     m: int
     k: int
     n: int
     batch: int = 0  # 0: no batch dimension
+    group_sizes: tuple[int, ...] = ()  # (): a dot_general
 
     def dimension_numbers(self):
         if self.batch:
@@ -76,19 +81,33 @@ class Case:
         return (((1,), (0,)), ((), ()))
 
     def shapes(self) -> tuple[tuple[int, ...], ...]:
+        if self.group_sizes:
+            return (self.m, self.k), (len(self.group_sizes), self.k, self.n), (self.m, self.n)
         lead = (self.batch,) if self.batch else ()
         return (*lead, self.m, self.k), (*lead, self.k, self.n), (*lead, self.m, self.n)
+
+    def groups(self) -> list[slice]:
+        """The rows of each group (grouped cases)."""
+        ends = np.cumsum(self.group_sizes)
+        return [slice(int(e - g), int(e)) for e, g in zip(ends, self.group_sizes, strict=True)]
+
+    def contractions(self) -> dict[str, int]:
+        """The contraction of each output's GEMM (Wgrad: the largest group, padded to 16)."""
+        tokens = max((-(-g // 16) * 16 for g in self.group_sizes), default=self.m)
+        return {"y": self.k, "dx": self.n, "dw": tokens}
 
 
 BATTERY = (
     Case("aligned", 256, 256, 256),
     Case("unaligned", 100, 40, 72),
     Case("batched", 48, 16, 64, batch=2),
+    Case("grouped", 100, 48, 80, group_sizes=(40, 0, 1, 37)),
 )
 """The shapes. Zero-padded to the recipe's 16, the contractions of the three GEMMs (K for Fprop,
 N for Dgrad, M for Wgrad) include 16, 48, 80 and 112: the sizes that are 16 mod 32, which GPU
 block-scaled GEMMs reading 32 FP4 codes per aligned row cannot take unpadded (the xla backend
-pads them to 32 on a GPU, TE to `te_alignment`)."""
+pads them to 32 on a GPU, TE to `te_alignment`). The grouped case has an empty group, a group of
+one row, uneven groups and 22 padding rows; its Wgrad contracts 48, 16 and 48 padded tokens."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +199,16 @@ def _runner(case: Case, recipe: str, backend: str):
     """The jitted forward + backward of one case through one backend, compiled once per process
     (the emulated reference is shared by every backend verified here)."""
     dims = case.dimension_numbers()
+    sizes = np.asarray(case.group_sizes, np.int32)
 
     @jax.jit
     def run(x, w, dy, key):
         def f(a, b):
+            if case.group_sizes:
+                return ragged_dot(
+                    a, b, jnp.asarray(sizes), recipe=recipe, key=key, backend=backend,
+                    preferred_element_type=jnp.float32,
+                )  # fmt: skip
             return dot_general(
                 a, b, dims, preferred_element_type=jnp.float32, recipe=recipe, key=key,
                 backend=backend,
@@ -196,10 +221,18 @@ def _runner(case: Case, recipe: str, backend: str):
 
 
 def _magnitudes(case: Case, x, w, dy) -> dict[str, np.ndarray]:
-    """|x| @ |w| and its two backward counterparts, float64 (the scale of each result)."""
+    """|x| @ |w| and its two backward counterparts, float64 (the scale of each result), per
+    group for a grouped case."""
     ax, aw, ady = (np.abs(np.asarray(v, np.float64)) for v in (x, w, dy))
     swap = lambda a: np.swapaxes(a, -1, -2)  # noqa: E731
-    return {"y": ax @ aw, "dx": ady @ swap(aw), "dw": swap(ax) @ ady}
+    if not case.group_sizes:
+        return {"y": ax @ aw, "dx": ady @ swap(aw), "dw": swap(ax) @ ady}
+    out = {"y": np.zeros_like(ady), "dx": np.zeros_like(ax), "dw": np.zeros_like(aw)}
+    for e, rows in enumerate(case.groups()):
+        out["y"][rows] = ax[rows] @ aw[e]
+        out["dx"][rows] = ady[rows] @ aw[e].T
+        out["dw"][e] = ax[rows].T @ ady[rows]
+    return out
 
 
 def _bound_ratio(got, want, scale, k: int, bf16: bool) -> float:
@@ -225,7 +258,7 @@ def _compare(backend: str, case: Case, recipe: str, draws: int, seed: int) -> li
     got = [[np.asarray(v, np.float64) for v in ours(x, w, dy, k)] for k in keys]
     want = [[np.asarray(v, np.float64) for v in ref(x, w, dy, k)] for k in keys]
     scale = _magnitudes(case, x, w, dy)
-    contraction = {"y": case.k, "dx": case.n, "dw": case.m}
+    contraction = case.contractions()
     stochastic = get_recipe(recipe).needs_key
     checks = []
     for i, quantity in enumerate(("y", "dx", "dw")):
@@ -300,7 +333,7 @@ def verify_backend(
         for case in battery:
             for recipe in recipes:
                 call = Call(get_recipe(recipe), max(case.batch, 1), np.dtype(jnp.bfloat16),
-                            np.dtype(jnp.float32))  # fmt: skip
+                            np.dtype(jnp.float32), grouped=bool(case.group_sizes))  # fmt: skip
                 why = unsupported(backend, call)
                 if why is not None:
                     skipped.append(f"{case.name} {recipe} ({why})")

@@ -1,0 +1,156 @@
+"""Where each group's rows go: the padded, tile-aligned layout of a grouped (MoE) GEMM.
+
+x [T, K] holds the groups' rows back to back, group e in rows starts[e] .. starts[e] + sizes[e];
+rows from sum(sizes) on are padding (they give zero output rows and get zero gradients). The
+Wgrad operands are blocked along the tokens (1x16 blocks and the 16-point RHT; 1x32 for MXFP4),
+and no block may take rows of two groups, so every group is padded with zero rows to a multiple
+of the alignment a (`Recipe.alignment`: 16, or 32 for MXFP4), as the dense call pads one group.
+The padded rows are cut into tiles of a rows: group e holds tiles tile_starts[e] ..
+tile_starts[e] + tile_counts[e] of a buffer of `GroupShape.tiles` tiles. Since
+sum_e ceil(g_e / a) a <= T + E (a - 1), that static buffer (ceil((T + E (a - 1)) / a) tiles)
+holds any traced `group_sizes`: at most E (a - 1) + a - 1 rows more than x, never E x T.
+
+Every array here is traced (group_sizes is a runtime value inside `jax.jit`); only `GroupShape`
+(T, E, a) is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupShape:
+    """The static side of a grouped GEMM: T tokens, E groups, alignment a (hashable)."""
+
+    tokens: int
+    groups: int
+    alignment: int
+
+    @property
+    def tiles(self) -> int:
+        """Tiles of the padded buffer: ceil((T + E (a - 1)) / a), enough for any group sizes."""
+        a = self.alignment
+        return -(-(self.tokens + self.groups * (a - 1)) // a)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the padded buffer (tiles x a)."""
+        return self.tiles * self.alignment
+
+    @property
+    def window_tiles(self) -> tuple[int, ...]:
+        """The static window lengths (in tiles) a group is computed in (`windows.over_groups`):
+        1, 2, 3, 4, 6, 8, 12, 16, 23, ... (powers of two and ceil(sqrt(2) 2^k)), and `tiles`.
+        A group of t tiles gets the smallest window >= t: at most ~1.42x its tiles."""
+        sizes, k = {self.tiles}, 0
+        while 2**k < self.tiles:
+            sizes.add(2**k)
+            sizes.add(math.isqrt(2 * 4**k) + 1)  # ceil(sqrt(2) 2^k): sqrt(2 4^k) is irrational
+            k += 1
+        return tuple(sorted(s for s in sizes if s <= self.tiles))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupLayout:
+    """One call's groups in the padded buffer (arrays traced; `shape` static).
+
+    Attributes:
+      sizes: int32 [E], the rows of each group in x (group_sizes, clipped so that their sum is at
+        most T).
+      starts: int32 [E], each group's first row in x.
+      tile_starts: int32 [E], each group's first tile in the padded buffer.
+      tile_counts: int32 [E], ceil(sizes / a): the group's tiles (its padded rows / a).
+      tile_group: int32 [tiles], the group of each tile; E for tiles past the last group.
+      tile_offset: int32 [tiles], each tile's index inside its group (0 past the last group).
+      shape: the static `GroupShape`.
+    """
+
+    sizes: jax.Array
+    starts: jax.Array
+    tile_starts: jax.Array
+    tile_counts: jax.Array
+    tile_group: jax.Array
+    tile_offset: jax.Array
+    shape: GroupShape = dataclasses.field(metadata={"static": True})
+
+    def per_tile(self, per_group: jax.Array, fill=0) -> jax.Array:
+        """A per-group array [E, ...] read at each tile's group ([tiles, ...]; `fill` past the
+        last group)."""
+        return jnp.take(per_group, self.tile_group, axis=0, mode="fill", fill_value=fill)
+
+    @property
+    def padded_sizes(self) -> jax.Array:
+        """int32 [E], each group's rows padded to the alignment (the dense call's M)."""
+        return self.tile_counts * self.shape.alignment
+
+
+def group_layout(group_sizes: jax.Array, shape: GroupShape) -> GroupLayout:
+    """The layout of `group_sizes` (int32 [E], traced) in the padded buffer of `shape`.
+
+    Negative sizes count as 0 and sizes past T rows are cut (lax.ragged_dot leaves such inputs
+    unspecified; here no row is read twice and no index leaves x).
+    """
+    a, n = shape.alignment, shape.tiles
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), shape.tokens)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    sizes = ends - starts
+    tile_counts = (sizes + a - 1) // a
+    tile_ends = jnp.cumsum(tile_counts)
+    tile_starts = tile_ends - tile_counts
+    tiles = jnp.arange(n, dtype=jnp.int32)
+    tile_group = jnp.searchsorted(tile_ends, tiles, side="right").astype(jnp.int32)
+    first = jnp.take(tile_starts, tile_group, mode="fill", fill_value=0)
+    tile_offset = jnp.where(tile_group < shape.groups, tiles - first, 0)
+    return GroupLayout(sizes, starts, tile_starts, tile_counts, tile_group, tile_offset, shape)
+
+
+def to_tiles(x: jax.Array, layout: GroupLayout) -> jax.Array:
+    """x [T, C] -> the padded buffer as tiles [tiles, a, C]: each group's rows from its first
+    tile on, zeros after them (to its alignment) and in every tile past the last group."""
+    shape = layout.shape
+    a = shape.alignment
+    rows = jnp.arange(shape.rows, dtype=jnp.int32)
+    tile, within = rows // a, rows % a
+    group = layout.tile_group[tile]
+    local = layout.tile_offset[tile] * a + within
+    valid = local < jnp.take(layout.sizes, group, mode="fill", fill_value=0)
+    source = jnp.take(layout.starts, group, mode="fill", fill_value=0) + local
+    source = jnp.where(valid, source, shape.tokens)  # out of bounds: a zero row
+    out = jnp.take(x, source, axis=0, mode="fill", fill_value=0)
+    return out.reshape(shape.tiles, a, *x.shape[1:])
+
+
+def from_tiles(tiles: jax.Array, layout: GroupLayout) -> jax.Array:
+    """The padded buffer [tiles, a, C] -> x's rows [T, C] (zero rows past sum(sizes))."""
+    shape = layout.shape
+    a = shape.alignment
+    flat = tiles.reshape(shape.rows, *tiles.shape[2:])
+    token = jnp.arange(shape.tokens, dtype=jnp.int32)
+    ends = layout.starts + layout.sizes
+    group = jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+    valid = group < shape.groups
+    local = token - jnp.take(layout.starts, group, mode="fill", fill_value=0)
+    target = jnp.take(layout.tile_starts, group, mode="fill", fill_value=0) * a + local
+    target = jnp.where(valid, target, shape.rows)  # out of bounds: a zero row
+    return jnp.take(flat, target, axis=0, mode="fill", fill_value=0)
+
+
+def group_max(per_tile: jax.Array, layout: GroupLayout) -> jax.Array:
+    """The maximum over each group's tiles of `per_tile` [tiles, ...], read back at every tile
+    (the maximum is exact, so a group's amax is the dense call's amax of that group)."""
+    groups = jax.ops.segment_max(
+        per_tile, layout.tile_group, num_segments=layout.shape.groups + 1
+    )  # the extra segment: tiles past the last group (zeros)
+    return jnp.take(groups, layout.tile_group, axis=0)
+
+
+def tile_positions(layout: GroupLayout) -> tuple[jax.Array, jax.Array]:
+    """(each tile's index inside its group, its group's padded rows), int32 [tiles] each."""
+    padded = layout.per_tile(layout.padded_sizes)
+    return layout.tile_offset, padded

@@ -1,0 +1,237 @@
+"""`ragged_dot`: the grouped call is a loop of per-group dense `dot_general` calls, bit for bit.
+
+The claim: for every preset, `ragged_dot(x, w, group_sizes, key=key)` equals, forward and both
+gradients, the dense calls `dot_general(x_g, w[e], key=fold_in(key, e))` on each group's rows
+(the dense call pads each group to the alignment itself), with zero rows past sum(group_sizes).
+The groups: uneven, an empty one, one of a single row, 7 padding rows; and (one preset, sizes
+traced) one of 5 tiles computed in a 6-tile window that reaches into the next group
+(`grouped.gemm.over_groups`). Shapes are the smallest that show each claim; each preset
+compiles one grouped and one dense function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nvfp4_ops
+from nvfp4_ops import backends
+from nvfp4_ops.backends import Call, select_backend, unsupported
+from nvfp4_ops.grouped.layout import GroupShape
+from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED
+
+F32 = jnp.float32
+T, K, N = 48, 32, 32
+SIZES = (23, 0, 1, 17)  # uneven, empty, one row; sum 41: 7 rows of padding
+E = len(SIZES)
+LONG_T = 96  # the traced-sizes test: 70 rows = 5 tiles of 16, computed in a 6-tile window
+LONG_SIZES = ((70, 0, 1, 17), (0, 33, 48, 2))  # one compiled function for both
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+def _operands(tokens: int, seed: int = 0):
+    kx, kw, kd, kk = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(kx, (tokens, K), F32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (E, K, N), F32) * 0.1).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (tokens, N), F32)
+    return x, w, dy, kk
+
+
+X, W, DY, KEY = _operands(T)
+
+
+def grouped_step(recipe: str, backend: str = "emulated"):
+    """jit((x, w, group_sizes, key, dy) -> (y, dx, dw)) of `ragged_dot` (sizes traced)."""
+
+    @jax.jit
+    def run(x, w, group_sizes, key, dy):
+        def f(a, b):
+            return nvfp4_ops.ragged_dot(
+                a, b, group_sizes, recipe=recipe, key=key, backend=backend,
+                preferred_element_type=F32,
+            )  # fmt: skip
+
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(dy))
+
+    return run
+
+
+def dense_loop(recipe: str, sizes: tuple[int, ...], fold=lambda key, e: jax.random.fold_in(key, e)):
+    """jit((x, w, key, dy) -> (y, dx, dw)) of one dense `dot_general` per group (static sizes)."""
+
+    @jax.jit
+    def run(x, w, key, dy):
+        def f(a, b):
+            outs, start = [], 0
+            for e, g in enumerate(sizes):
+                k = None if key is None else fold(key, e)
+                outs.append(nvfp4_ops.dot_general(
+                    a[start : start + g], b[e], MATMUL, preferred_element_type=F32,
+                    recipe=recipe, key=k, backend="emulated",
+                ))  # fmt: skip
+                start += g
+            return jnp.concatenate([*outs, jnp.zeros((a.shape[0] - start, N), F32)])
+
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(dy))
+
+    return run
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_bitwise_equal(got, want, what: str) -> None:
+    for name, g, w in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, name, g.dtype, w.dtype)
+        differ = int(np.sum(_bits(g) != _bits(w)))
+        assert differ == 0, f"{what}: {name} differs from the dense loop in {differ} elements"
+
+
+def _key(recipe: str):
+    return KEY if nvfp4_ops.get_recipe(recipe).needs_key else None
+
+
+@pytest.mark.parametrize("recipe", list(nvfp4_ops.RECIPES))
+def test_grouped_equals_the_dense_loop_bit_for_bit(recipe):
+    key = _key(recipe)
+    got = grouped_step(recipe)(X, W, jnp.array(SIZES, jnp.int32), key, DY)
+    want = dense_loop(recipe, SIZES)(X, W, key, DY)
+    assert_bitwise_equal(got, want, recipe)
+    y, dx, dw = (np.asarray(v, np.float32) for v in got)
+    used = sum(SIZES)
+    assert np.all(y[used:] == 0) and np.all(dx[used:] == 0)  # padding rows
+    assert np.all(dw[1] == 0)  # the empty group
+    assert np.all(y[:used].any(axis=1)) and dx[:used].any() and dw[3].any()  # nothing vacuous
+
+
+def test_group_sizes_are_traced_and_the_key_is_split_with_fold_in():
+    x, w, dy, key = _operands(LONG_T, seed=1)
+    step = grouped_step("nvfp4")
+    for sizes in LONG_SIZES:  # one compiled function for both
+        got = step(x, w, jnp.array(sizes, jnp.int32), key, dy)
+        assert_bitwise_equal(got, dense_loop("nvfp4", sizes)(x, w, key, dy), f"sizes {sizes}")
+    assert step._cache_size() == 1
+    # the documented split matters: another per-group key gives other stochastic roundings
+    shifted = lambda k, e: jax.random.fold_in(k, e + 1)  # noqa: E731
+    _, dx, dw = dense_loop("nvfp4", LONG_SIZES[-1], fold=shifted)(x, w, key, dy)
+    assert np.any(_bits(got[1]) != _bits(dx)) and np.any(_bits(got[2]) != _bits(dw))
+
+
+def test_the_non_partitionable_threefry_draws_are_rebuilt_too():
+    with jax.threefry_partitionable(False):
+        got = grouped_step("nvfp4")(X, W, jnp.array(SIZES, jnp.int32), KEY, DY)
+        want = dense_loop("nvfp4", SIZES)(X, W, KEY, DY)
+    assert_bitwise_equal(got, want, "jax_threefry_partitionable=False")
+
+
+def test_stochastic_rounding_needs_a_threefry_key():
+    key = jax.random.key(0, impl="rbg")
+    with pytest.raises(ValueError, match="must be a threefry2x32 key, got a rbg key"):
+        nvfp4_ops.ragged_dot(X, W, jnp.array(SIZES, jnp.int32), recipe="nvfp4", key=key)
+    # round to nearest draws nothing: any key is fine
+    nvfp4_ops.ragged_dot(X, W, jnp.array(SIZES, jnp.int32), recipe="nvfp4-no-sr", key=key)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4-no-sr", "nvfp4-naive", "fp8"])
+def test_xla_agrees_with_emulated_for_round_to_nearest(recipe):
+    # The same quantized operands; jax.lax.ragged_dot_general sums in another order only (the
+    # statistical comparison of stochastic presets is verify_backend's grouped case).
+    sizes = jnp.array(SIZES, jnp.int32)
+    got = grouped_step(recipe, "xla")(X, W, sizes, None, DY)
+    want = grouped_step(recipe)(X, W, sizes, None, DY)
+    ax, aw, ady = (np.abs(np.asarray(v, np.float32)) for v in (X, W, DY))
+    scale = {"y": np.zeros((T, N)), "dx": np.zeros((T, K)), "dw": np.zeros((E, K, N))}
+    start = 0
+    for e, g in enumerate(SIZES):
+        rows = slice(start, start + g)
+        scale["y"][rows], scale["dx"][rows] = ax[rows] @ aw[e], ady[rows] @ aw[e].T
+        scale["dw"][e], start = ax[rows].T @ ady[rows], start + g
+    for (name, bound), a, b in zip(scale.items(), got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        rounding = 0.0 if name == "y" else 2.0**-8 * (np.abs(a) + np.abs(b))  # BF16: one each
+        assert np.all(np.abs(a - b) <= 1e-5 * bound + rounding + 1e-30), name
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value in `jaxpr` and every jaxpr nested in it."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            most = max(most, int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    most = max(most, _largest_intermediate(inner))
+    return most
+
+
+def test_padding_and_work_grow_with_e_times_alignment_not_e_times_t():
+    for tokens, groups, a in ((96, 4, 16), (4096, 64, 16), (4096, 64, 32), (10, 8, 1)):
+        shape = GroupShape(tokens, groups, a)
+        assert shape.rows >= tokens + groups * (a - 1)  # room for any group sizes
+        assert shape.rows < tokens + groups * (a - 1) + a
+        assert shape.window_tiles[-1] == shape.tiles
+        ratios = np.array(shape.window_tiles[1:]) / np.array(shape.window_tiles[:-1])
+        assert ratios.max() <= 2 and ratios[ratios > 1.5].size <= 1  # ~sqrt(2) steps
+    # the whole step (forward, both gradients) at T = 512, E = 32: nothing of E x T x K
+    tokens, groups = 512, 32
+    x = jnp.zeros((tokens, K), jnp.bfloat16)
+    w = jnp.zeros((groups, K, N), jnp.bfloat16)
+    sizes = jnp.full((groups,), tokens // groups, jnp.int32)
+
+    def step(x, w, sizes, key):
+        f = lambda a, b: nvfp4_ops.ragged_dot(a, b, sizes, recipe="nvfp4", key=key)  # noqa: E731
+        y, pullback = jax.vjp(f, x, w)
+        return pullback(y)
+
+    jaxpr = jax.make_jaxpr(step)(x, w, sizes, KEY).jaxpr
+    padded = GroupShape(tokens, groups, 16).rows
+    assert _largest_intermediate(jaxpr) <= max(padded * max(K, N), groups * K * N) * 4
+    assert groups * tokens * K > 8 * max(padded * max(K, N), groups * K * N)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, sizes, error, match",
+    [
+        ((T, K), (K, N), [T], ValueError, r"w must be 3-D \[E, K, N\].*got shape \(32, 32\)"),
+        ((T, K, 1), (E, K, N), SIZES, ValueError, r"x must be 2-D \[T, K\].*\(48, 32, 1\)"),
+        ((T, 48), (E, K, N), SIZES, ValueError, r"share K: x.shape\[1\] = 48, w.shape\[1\] = 32"),
+        ((T, 40), (E, 40, N), SIZES, ValueError, r"K must be a multiple of 16 .* got K=40"),
+        ((T, K), (E, K, 24), SIZES, ValueError, r"N must be a multiple of 16 .* got N=24"),
+        ((T, K), (E, K, N), SIZES[:3], ValueError, r"shape \(E,\) = \(4,\).* got shape \(3,\)"),
+        ((T, K), (E, K, N), np.array(SIZES, np.float32), TypeError, r"int32.*got float32"),
+    ],
+)
+def test_errors_name_the_argument_the_expected_and_the_actual(
+    x_shape, w_shape, sizes, error, match
+):
+    x, w = jnp.ones(x_shape, jnp.bfloat16), jnp.ones(w_shape, jnp.bfloat16)
+    with pytest.raises(error, match=match):
+        nvfp4_ops.ragged_dot(x, w, jnp.asarray(sizes), recipe="nvfp4-no-sr")
+
+
+def test_mxfp4_needs_k_and_n_in_its_32_alignment():
+    x, w = jnp.ones((T, 48), jnp.bfloat16), jnp.ones((E, 48, N), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"K must be a multiple of 32 \(recipe 'mxfp4'"):
+        nvfp4_ops.ragged_dot(x, w, jnp.array(SIZES, jnp.int32), recipe="mxfp4", key=KEY)
+
+
+def test_te_refuses_grouped_calls_and_auto_falls_back(monkeypatch):
+    caps = {name: (True, f"{name} (fake)") for name in nvfp4_ops.BACKENDS}
+    monkeypatch.setattr(backends, "backend_capability", caps.__getitem__)
+    monkeypatch.setattr(backends, "auto_order", lambda: ("te", "xla", "emulated"))
+    monkeypatch.setattr(backends, "_VERIFIED", {"te": (True, "fake"), "xla": (True, "fake")})
+    nvfp4 = nvfp4_ops.get_recipe("nvfp4")
+    assert unsupported("te", Call(nvfp4, grouped=True)) == TE_GROUPED_UNSUPPORTED
+    assert unsupported("te", Call(nvfp4)) is None  # the dense call still goes to TE
+    assert select_backend("auto", Call(nvfp4, grouped=True)) == "xla"
+    with pytest.raises(ValueError, match="grouped GEMM .* takes no NVFP4 operands"):
+        nvfp4_ops.ragged_dot(X, W, jnp.array(SIZES, jnp.int32), recipe="nvfp4", key=KEY,
+                             backend="te")  # fmt: skip
