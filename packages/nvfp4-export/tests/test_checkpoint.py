@@ -62,6 +62,14 @@ def test_params_that_do_not_match_the_config_are_refused(tiny_run):
         spec_from_config(config, ckpt.params)
 
 
+def test_a_mixture_of_experts_checkpoint_is_refused_by_name(tiny_run):
+    ckpt = read_checkpoint(resolve_checkpoint(tiny_run))
+    moe = {"num_experts": 8, "experts_per_token": 2, "expert_mlp_dim": 64}
+    config = {**ckpt.config, "model": {**ckpt.config["model"], "moe": moe}}
+    with pytest.raises(ExportError, match=r"Mixture-of-Experts model \(model.moe.num_experts=8\)"):
+        spec_from_config(config, ckpt.params)
+
+
 def test_default_rule_matches_the_documented_examples():
     got = [default_bf16_layers(n) for n in (1, 2, 4, 6, 12, 32, 62, 126)]
     assert got == [(0, 0), (0, 1), (1, 1), (1, 1), (1, 2), (1, 4), (2, 8), (2, 8)]

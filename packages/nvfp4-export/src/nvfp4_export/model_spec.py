@@ -216,6 +216,12 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
         raise ExportError("the checkpoint config has no 'model' section")
     if EMBED.param not in params:
         raise ExportError(f"params lack {EMBED.param!r}; have {sorted(params)[:6]}...")
+    moe = model.get("moe")
+    if isinstance(moe, dict) and moe.get("num_experts"):
+        raise ExportError(
+            f"the checkpoint is of a Mixture-of-Experts model (model.moe.num_experts="
+            f"{moe['num_experts']}); this version of nvfp4-export writes dense models only"
+        )
     try:
         heads = int(model["num_heads"])
         spec = LlamaSpec(
