@@ -22,10 +22,23 @@ import jax.numpy as jnp
 
 import nvfp4_ops
 from nvfp4_train.model.attention import ATTENTION_IMPLEMENTATIONS
+from nvfp4_train.model.moe_config import MoEConfig, is_moe_layer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
-"""The quantizable linears of each block, in the order their SR keys are derived (0..3)."""
+"""The quantizable linears of a dense block, in the order their SR keys are derived (0..3)."""
+MOE_LINEAR_NAMES = (
+    "attn.qkv",
+    "attn.o",
+    "mlp.experts.gate_up",
+    "mlp.experts.down",
+    "mlp.shared.gate_up",
+    "mlp.shared.down",
+)
+"""The quantizable linears of an MoE block (the shared ones only with `moe.shared_experts`), in
+the order their SR keys are derived (0..5). The router and the shared-expert gate never quantize."""
+BLOCK_KEYS = len(MOE_LINEAR_NAMES)
+"""How many SR keys every block is given (a dense block uses the first four)."""
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`)."""
 AUTO_SCAN_LAYERS = 8
@@ -137,6 +150,7 @@ class ModelConfig:
         attention_max_documents: "te": the most documents one packed row may hold (cuDNN gets
             one sequence slot per document); 0: `train.seq_len` (always enough). Every batch is
             checked against it; fewer slots are faster.
+        moe: Mixture-of-Experts blocks (`MoEConfig`; `num_experts: 0`, the default, is dense).
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -168,6 +182,7 @@ class ModelConfig:
     attention: Literal["auto", "naive", "xla", "cudnn", "te", "chunked"] = "auto"
     attention_block: int = 512
     attention_max_documents: int = 0
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self):
         for name in (
@@ -220,6 +235,9 @@ class ModelConfig:
         }
         for name, width in widths.items():
             _check(width % 16 == 0, name, "a multiple of 16 (NVFP4 blocks are 16 wide)", width)
+        late = [i for i in self.moe.dense_layers if i >= self.num_layers]
+        _check(not late, "moe.dense_layers", f"block indices < num_layers={self.num_layers}",
+               list(self.moe.dense_layers))  # fmt: skip
 
     @property
     def resolved_head_dim(self) -> int:
@@ -261,15 +279,44 @@ def _check_architecture(cfg: ModelConfig) -> None:
         )
 
 
-def block_params(cfg: ModelConfig) -> tuple[str, ...]:
-    """Every parameter of a block, relative to `layers.{i}`, in tree order."""
+def block_linear_names(cfg: ModelConfig, index: int) -> tuple[str, ...]:
+    """The quantizable linears of block `index`, relative to `layers.{index}`, in SR-key order:
+    `LINEAR_NAMES`, or for an MoE block `MOE_LINEAR_NAMES` (without the shared experts when
+    there are none)."""
+    if not is_moe_layer(cfg.moe, index):
+        return LINEAR_NAMES
+    return MOE_LINEAR_NAMES if cfg.moe.shared_experts else MOE_LINEAR_NAMES[:4]
+
+
+def block_params(cfg: ModelConfig, index: int) -> tuple[str, ...]:
+    """Every parameter of block `index`, relative to `layers.{index}`, in tree order."""
     attn = ["attn.qkv.kernel", "attn.o.kernel"]
     attn += ["attn.qkv.bias"] * cfg.qkv_bias + ["attn.o.bias"] * cfg.o_bias
     attn += ["attn.q_norm.scale", "attn.k_norm.scale"] * cfg.qk_norm
     mlp = ["mlp.gate_up.kernel", "mlp.down.kernel"]
+    if is_moe_layer(cfg.moe, index):
+        mlp = ["mlp.router.kernel", "mlp.router.score_bias", "mlp.experts.gate_up.kernel",
+               "mlp.experts.down.kernel"]  # fmt: skip
+        mlp += ["mlp.shared.gate_up.kernel", "mlp.shared.down.kernel"] * bool(
+            cfg.moe.shared_experts
+        )
+        mlp += ["mlp.shared_gate.kernel"] * cfg.moe.shared_expert_gate
     return ("attn_norm.scale", *attn, "mlp_norm.scale", *mlp)
 
 
 def linear_paths(cfg: ModelConfig) -> list[str]:
     """Module paths of every quantizable linear, e.g. `layers.0.attn.qkv`, in model order."""
-    return [f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in LINEAR_NAMES]
+    return [
+        f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in block_linear_names(cfg, i)
+    ]
+
+
+def input_amax_shape(cfg: ModelConfig, path: str) -> tuple[int, ...]:
+    """The shape of the input amax a linear reports (`layers.INPUT_AMAX`): a scalar, or one per
+    expert for the routed experts' linears (`layers.{i}.mlp.experts.*`)."""
+    return (cfg.moe.num_experts,) if ".mlp.experts." in path else ()
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    """The indices of the MoE blocks (none for a dense model)."""
+    return [i for i in range(cfg.num_layers) if is_moe_layer(cfg.moe, i)]

@@ -12,13 +12,14 @@ Parameter tree (float32 master weights; kernels [in, out]):
     layers.{i}.mlp_norm.scale       [d_model]
     layers.{i}.mlp.gate_up.kernel   [d_model, 2 * mlp_dim]                                gate|up
     layers.{i}.mlp.down.kernel      [mlp_dim, d_model]
+    (an MoE block's `mlp` holds its router and experts instead: `nvfp4_train.model.moe`)
     final_norm.scale                [d_model]
     lm_head.kernel                  [d_model, vocab]   (absent when tie_embeddings)
 Layer indices `i` are string keys "0", "1", ... in the parameter dict. With `scan_layers`, runs of
 blocks that compute alike are stored stacked instead (`layers.{first}-{last}...`, a leading layer
 axis; see `nvfp4_train.model.stacking`) and run under `jax.lax.scan`; `remat` recomputes each block's
 activations in the backward pass according to a `jax.checkpoint` policy.
-Its configuration (`ModelConfig`, `LINEAR_NAMES`, `linear_paths`, ...): `nvfp4_train.model.config`.
+Its configuration (`ModelConfig`, `block_linear_names`, `linear_paths`, ...): `nvfp4_train.model.config`.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.attention import document_positions
+from nvfp4_train.model.block import Block
 from nvfp4_train.model.config import (
-    LINEAR_NAMES,
+    BLOCK_KEYS,
     REMAT_POLICIES,
     ModelConfig,
+    block_linear_names,
     block_params,
     linear_paths,
 )
-from nvfp4_train.model.layers import INPUT_AMAX, Block, Documents, RMSNorm, sow_input_amax
+from nvfp4_train.model.layers import INPUT_AMAX, Documents, RMSNorm, sow_input_amax
 from nvfp4_train.model.stacking import LayerLayout, runs_of
 
 
@@ -50,16 +53,18 @@ def layer_layout(
 ) -> LayerLayout:
     """Which blocks are stacked: with `cfg.scans`, every run of >= 2 consecutive blocks whose
     four linears have the same recipes and whose parameters match the same `no_decay` patterns
-    (the optimizer's weight-decay exclusions, searched in `layers.{i}.attn_norm.scale` etc.)."""
+    (the optimizer's weight-decay exclusions, searched in `layers.{i}.attn_norm.scale` etc.);
+    dense and MoE blocks are never stacked together."""
     if not cfg.scans:
         return LayerLayout(cfg.num_layers)
     patterns = [re.compile(p) for p in no_decay]
 
     def signature(i: int) -> tuple:
         decays = tuple(
-            any(p.search(f"layers.{i}.{leaf}") for p in patterns) for leaf in block_params(cfg)
+            any(p.search(f"layers.{i}.{leaf}") for p in patterns) for leaf in block_params(cfg, i)
         )
-        return tuple(recipes[f"layers.{i}.{name}"] for name in LINEAR_NAMES), decays
+        names = block_linear_names(cfg, i)
+        return names, tuple(recipes[f"layers.{i}.{name}"] for name in names), decays
 
     return LayerLayout(cfg.num_layers, runs_of([signature(i) for i in range(cfg.num_layers)]))
 
@@ -72,13 +77,16 @@ def _stacked(blocks: list[Block]) -> Block:
 
 
 def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
-    """Sows the `INPUT_AMAX` values of `sown` (a pure dict as a block's capture returns it) on
-    the same submodules of `module` (scalars, or one per layer for a stacked block)."""
+    """Sows the values of `sown` (a pure dict as a block's capture returns it) on the same
+    submodules of `module` (with a leading layer axis for a stacked block): `INPUT_AMAX`
+    max-reduced with what is there, every other statistic (an MoE block's) as it is."""
     for name, value in sown.items():
         if name == INPUT_AMAX:
             sow_input_amax(module, value)
-        else:
+        elif isinstance(value, dict):
             _resow(getattr(module, name), value)
+        else:
+            module.sow(nnx.Intermediate, name, value, reduce_fn=lambda _, new: new)
 
 
 def _block_fn(graphdef: nnx.GraphDef, policy: Any):
@@ -139,8 +147,9 @@ class Llama(nnx.Module):
             )
         for start, stop in self.layout.runs:
             differ = [
-                f"layers.{i}.{n}" for i in range(start + 1, stop) for n in LINEAR_NAMES
-                if recipes[f"layers.{i}.{n}"] != recipes[f"layers.{start}.{n}"]
+                f"layers.{i}.{n}" for i in range(start + 1, stop)
+                for n in block_linear_names(cfg, i)
+                if recipes[f"layers.{i}.{n}"] != recipes.get(f"layers.{start}.{n}")
             ]  # fmt: skip
             if differ:
                 raise ValueError(f"layout stacks blocks {start}..{stop - 1}, but {differ} differ")
@@ -172,7 +181,7 @@ class Llama(nnx.Module):
         Args:
             inputs_BxL: int token ids.
             key: The step's stochastic-rounding key; linear j of layer i gets
-                `fold_in(fold_in(key, i), j)` (j in `LINEAR_NAMES` order). None passes no key
+                `fold_in(fold_in(key, i), j)` (j in `block_linear_names` order). None passes no key
                 (fine for recipes without stochastic rounding, and for the forward-only BF16 path).
             segment_ids_BxL: int document ids of packed rows: a token attends only to earlier
                 tokens of its own document. None: each row is one document.
@@ -231,7 +240,7 @@ def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array 
     """The stochastic-rounding key each linear gets from `Llama.__call__(..., key=key)`, by path."""
     keys = {}
     for i in range(cfg.num_layers):
-        for name, linear_key in zip(LINEAR_NAMES, _layer_keys(key, i), strict=True):
+        for name, linear_key in zip(block_linear_names(cfg, i), _layer_keys(key, i), strict=False):
             keys[f"layers.{i}.{name}"] = linear_key
     return keys
 
@@ -264,7 +273,7 @@ def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int, documents=No
 
     def body(x, xs):
         layer_params, layer_keys = xs
-        layer_keys = (None,) * len(LINEAR_NAMES) if layer_keys is None else tuple(layer_keys)
+        layer_keys = (None,) * BLOCK_KEYS if layer_keys is None else tuple(layer_keys)
         return apply(layer_params, rest, x, layer_keys, documents)
 
     return jax.lax.scan(body, x_BxLxD, (params, keys))
@@ -272,6 +281,6 @@ def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int, documents=No
 
 def _layer_keys(key: jax.Array | None, layer: int) -> tuple[jax.Array | None, ...]:
     if key is None:
-        return (None,) * len(LINEAR_NAMES)
+        return (None,) * BLOCK_KEYS
     layer_key = jax.random.fold_in(key, layer)
-    return tuple(jax.random.fold_in(layer_key, j) for j in range(len(LINEAR_NAMES)))
+    return tuple(jax.random.fold_in(layer_key, j) for j in range(BLOCK_KEYS))

@@ -7,7 +7,9 @@ Training FLOPs per token (`train_flops_per_token`; every metrics row, benchmark 
 
 - N: the weights of every matrix multiplication, the output head included: per block the q, k, v
   and o projections `D * (H + 2G) * K + H * K * D` and the SwiGLU MLP `3 * D * F`, plus `D * V`
-  for the head (tied or not). Not the embedding lookup (a gather), norms or biases. 6 = 2 FLOPs
+  for the head (tied or not). An MoE block counts the weights a token goes through (the active
+  parameters): `3 * D * (k * F_e + S)` for its k routed experts and the shared ones, and the
+  router `D * E`. Not the embedding lookup (a gather), norms or biases. 6 = 2 FLOPs
   per multiply-add x 3 GEMMs per weight (forward, Dgrad, Wgrad).
 - Attention: QK^T and PV cost 2 * 2 * H * K FLOPs per query per key; a causal row attends to
   seq_len / 2 keys on average; backward is twice forward: 3 * 4 * H * K * seq_len / 2 per token
@@ -32,6 +34,8 @@ Example:
 """
 
 import dataclasses
+
+from nvfp4_train.model.config import moe_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +72,16 @@ def device_peak(device_kind: str) -> Peak | None:
 
 
 def matmul_params(cfg) -> int:
-    """N: the weights of the model's matrix multiplications (`ModelConfig`, vocab_size set)."""
-    d, k, f = cfg.d_model, cfg.resolved_head_dim, cfg.mlp_dim
+    """N: the weights of the model's matrix multiplications a token goes through (`ModelConfig`,
+    vocab_size set): in an MoE block its `experts_per_token` routed experts, the shared experts
+    and the router (the active parameters), not every expert."""
+    d, k = cfg.d_model, cfg.resolved_head_dim
     attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k + cfg.num_heads * k * d
-    return cfg.num_layers * (attention + 3 * d * f) + d * cfg.vocab_size
+    moe, moe_blocks = cfg.moe, len(moe_layers(cfg))
+    routed = moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim
+    mlp = (cfg.num_layers - moe_blocks) * 3 * d * cfg.mlp_dim
+    mlp += moe_blocks * (3 * d * routed + d * moe.num_experts + d * moe.shared_expert_gate)
+    return cfg.num_layers * attention + mlp + d * cfg.vocab_size
 
 
 def train_flops_per_token(cfg, *, seq_len: int) -> int:

@@ -248,40 +248,26 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
-                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
-        dtype = cfg.compute_dtype
+                 backend: str | tuple[str, ...] = "auto", hidden: int = 0):  # fmt: skip
+        """`hidden`: the hidden width (0: `cfg.mlp_dim`; MoE shared experts set their own)."""
+        dtype, hidden = cfg.compute_dtype, hidden or cfg.mlp_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.gate_up = QuantLinear(
-            cfg.d_model, 2 * cfg.mlp_dim, recipe=recipes[f"{prefix}.gate_up"],
+            cfg.d_model, 2 * hidden, recipe=recipes[f"{prefix}.gate_up"],
             init_std=cfg.init_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
         self.down = QuantLinear(
-            cfg.mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"],
+            hidden, cfg.d_model, recipe=recipes[f"{prefix}.down"],
             init_std=out_std, dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
 
     def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
-        gate, up = jnp.split(self.gate_up(x_BxLxD, keys[0]), 2, axis=-1)
-        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-        return self.down(hidden, keys[1])
+        gate_up = self.gate_up(x_BxLxD, keys[0])
+        return self.down(swiglu(gate_up), keys[1])
 
 
-class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
-
-    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs,
-                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
-        dtype = cfg.compute_dtype
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, recipes, f"layers.{index}.attn", rngs=rngs, backend=backend)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, recipes, f"layers.{index}.mlp", rngs=rngs, backend=backend)
-
-    def __call__(
-        self,
-        x_BxLxD: jax.Array,
-        keys: tuple[jax.Array | None, ...],
-        documents: Documents | None = None,
-    ) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2], documents)
-        return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), keys[2:4])
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """silu(gate) * up of a fused [..., 2 * hidden] projection (gate first), computed in float32
+    and returned in the input's dtype."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)

@@ -4,7 +4,9 @@
 `grad_norm`, `tokens_per_s`, `step_time_s`, `skipped_steps` (cumulative),
 `model_tflops_per_device` and, on a device whose peak is known, `mfu` (and `mfu_fp4`; see
 `nvfp4_train.model.flops`); rows at evaluation steps also carry `val_loss`; `nvfp4-train eval` appends
-rows with `step`, `val_loss` and `source: "eval"`. With `logging.quant_stats_every`, telemetry
+rows with `step`, `val_loss` and `source: "eval"`. A model with MoE blocks adds `aux_loss`,
+`z_loss`, `max_load` and `moe: {block: {load: [share per expert], max_load, dropped, entropy,
+aux_loss, z_loss}}` to its training rows (`summarize_moe`). With `logging.quant_stats_every`, telemetry
 rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`) sit between them;
 readers pick rows by the keys they need.
 
@@ -24,6 +26,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TextIO
+
+import numpy as np
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -62,9 +66,43 @@ def summarize_window(
     }
 
 
+MOE_FIELDS = ("aux_loss", "z_loss", "max_load")
+"""Step metrics of a model with MoE blocks, over its blocks (`model.moe_stats.load_metrics`)."""
+
+
+def summarize_moe(step_metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The MoE fields of a metrics row: the window's means of `aux_loss`, `z_loss`, `max_load`
+    and, under `moe`, of each block's statistics (`load`: each expert's share, a list); empty
+    for a dense model.
+
+    Example:
+        >>> m = {"aux_loss": 2.0, "z_loss": 1.0, "max_load": 1.5,
+        ...      "moe": {"layers.0": {"load": [0.75, 0.25], "dropped": 0.0}}}
+        >>> summarize_moe([m, m])["moe"]["layers.0"]["load"]
+        [0.75, 0.25]
+    """
+    if "moe" not in step_metrics[-1]:
+        return {}
+    n = len(step_metrics)
+    mean = lambda values: sum(np.asarray(v, np.float64) for v in values) / n  # noqa: E731
+    row = {key: float(mean(m[key] for m in step_metrics)) for key in MOE_FIELDS}
+    row["moe"] = {
+        block: {
+            stat: (lambda v: v.tolist() if v.ndim else float(v))(
+                mean(m["moe"][block][stat] for m in step_metrics)
+            )
+            for stat in stats
+        }
+        for block, stats in step_metrics[-1]["moe"].items()
+    }
+    return row
+
+
 _ROW_FIELDS = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("aux_loss", "aux", "{:.3f}"),
+    ("max_load", "load max/mean", "{:.2f}"),
     ("lr", "lr", "{:.2e}"),
     ("grad_norm", "grad_norm", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
@@ -234,7 +272,8 @@ class TensorBoard:
         self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
 
     def write(self, row: Mapping[str, Any]) -> None:
-        """Adds every numeric field but `step` as a scalar at `row['step']`; a telemetry row's
+        """Adds every numeric field but `step` as a scalar at `row['step']`; an MoE row's block
+        statistics as `moe/<block>/<stat>` (`moe/<block>/load/<expert>`); a telemetry row's
         values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped)."""
         step = int(row["step"])
         for key, value in row.items():
@@ -242,6 +281,12 @@ class TensorBoard:
                 self._writer.add_scalar(
                     f"train/{key}" if key != "val_loss" else "val/loss", value, step
                 )
+        for block, stats in row.get("moe", {}).items():
+            for stat, value in stats.items():
+                values = value if isinstance(value, list) else [value]
+                for e, v in enumerate(values):
+                    name = f"moe/{block}/{stat}" + (f"/{e}" if isinstance(value, list) else "")
+                    self._writer.add_scalar(name, v, step)
         for path, roles in row.get("quant", {}).items():
             for role, values in roles.items():
                 for stat, value in values.items():

@@ -16,7 +16,7 @@ import numpy as np
 import yaml
 
 from nvfp4_train.errors import ConfigError, DataError
-from nvfp4_train.model.config import LINEAR_NAMES
+from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES
 from nvfp4_train.observe.metrics import read_metrics
 
 QUANT_STATS = ("amax", "underflow", "saturation", "rel_error")
@@ -114,11 +114,13 @@ def plot_runs(
 
 
 def _model_order(path: str) -> tuple[int, int, str]:
-    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in `LINEAR_NAMES`."""
+    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in its block's
+    linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an MoE block)."""
     parts = path.split(".", 2)
     index = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
     name = parts[-1]
-    return index, LINEAR_NAMES.index(name) if name in LINEAR_NAMES else len(LINEAR_NAMES), path
+    names = LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES
+    return index, names.index(name) if name in names else len(names), path
 
 
 def quant_grid(

@@ -24,7 +24,7 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.mesh.sharding import activation_constraint
-from nvfp4_train.model.config import LINEAR_NAMES, ModelConfig
+from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES, ModelConfig
 from nvfp4_train.model.decoder import linear_keys, unstacked
 from nvfp4_train.model.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
 from nvfp4_train.tree_paths import flat_paths
@@ -115,9 +115,10 @@ def capture_linear_operands(
 
 
 def _model_order(path: str) -> tuple[int, int]:
-    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in `LINEAR_NAMES`."""
+    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in its block's
+    linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an MoE block)."""
     _, index, name = path.split(".", 2)
-    return int(index), LINEAR_NAMES.index(name)
+    return int(index), (LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES).index(name)
 
 
 def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:

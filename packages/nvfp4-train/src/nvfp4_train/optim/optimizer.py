@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from nvfp4_train.model.moe import ROUTER_BIAS
 from nvfp4_train.model.stacking import canonical_path, global_norm
 from nvfp4_train.optim.loss_scaling import LossScalingConfig, with_loss_scaling
 from nvfp4_train.tree_paths import key_names
@@ -134,11 +135,16 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(cfg: OptimizerConfig, params) -> dict:
-    """Pytree of bools like `params`: True where weight decay applies (path matches no `no_decay`)."""
+    """Pytree of bools like `params`: True where weight decay applies (path matches no
+    `no_decay`; never the MoE routers' balancing bias, which the optimizer must leave as it is:
+    its gradient is zero, so AdamW without decay does not move it)."""
     patterns = [re.compile(p) for p in cfg.no_decay]
 
     def decays(path, _leaf) -> bool:
-        dotted = canonical_path(".".join(key_names(path)))  # a stacked run decays as its blocks
+        names = key_names(path)
+        if names[-1] == ROUTER_BIAS:
+            return False
+        dotted = canonical_path(".".join(names))  # a stacked run decays as its blocks
         return not any(p.search(dotted) for p in patterns)
 
     return jax.tree_util.tree_map_with_path(decays, params)

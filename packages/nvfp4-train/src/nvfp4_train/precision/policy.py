@@ -32,7 +32,7 @@ import re
 
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.model.config import LINEAR_NAMES, ModelConfig, linear_paths
+from nvfp4_train.model.config import ModelConfig, block_linear_names, linear_paths
 from nvfp4_train.model.decoder import layer_layout
 from nvfp4_train.model.stacking import LayerLayout
 from nvfp4_train.precision.schedule import (
@@ -233,7 +233,7 @@ def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -
     names = {}
     for i in range(n):
         in_bf16 = i < first or i >= n - last
-        for linear in LINEAR_NAMES:
+        for linear in block_linear_names(model_cfg, i):
             names[f"layers.{i}.{linear}"] = BF16_RECIPE if in_bf16 else precision_cfg.recipe
     for text in precision_cfg.overrides:
         pattern, recipe = _parse_override(text)

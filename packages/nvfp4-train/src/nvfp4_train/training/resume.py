@@ -46,7 +46,7 @@ def run_train_step(cfg: Config, graphdef: Any, optimizer: Any = None, mesh: Mesh
     optimizer = make_optimizer(cfg.optimizer, steps) if optimizer is None else optimizer
     return make_train_step(
         graphdef, optimizer, make_schedule(cfg.optimizer, steps), seed=cfg.train.seed,
-        grad_accum_steps=cfg.train.grad_accum_steps, mesh=mesh,
+        grad_accum_steps=cfg.train.grad_accum_steps, mesh=mesh, moe=cfg.model.moe,
     )  # fmt: skip
 
 
@@ -83,6 +83,18 @@ def _section(tree: Any, dotted: str) -> Any:
     return tree
 
 
+def _differing(mine: dict[str, Any], old: dict[str, Any], prefix: str) -> list[str]:
+    """The dotted keys whose values differ, nested sections (`model.moe`) key by key."""
+    keys = []
+    for key, value in mine.items():
+        other = old.get(key)
+        if isinstance(value, dict) and isinstance(other, dict):
+            keys += _differing(value, other, f"{prefix}.{key}")
+        elif other != value:
+            keys.append(f"{prefix}.{key}")
+    return keys
+
+
 def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
     """Raises ConfigError naming every key of `COMPARED_SECTIONS` that differs from `saved`.
 
@@ -101,8 +113,7 @@ def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
             if isinstance(old, dict):
                 old.pop(key, None)
         if old != mine:
-            old = old or {}
-            keys = [f"{section}.{k}" for k, v in mine.items() if old.get(k) != v]
+            keys = _differing(mine, old or {}, section)
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} holds a checkpoint of a different run "
                 f"({', '.join(keys)} differ); choose a new output_dir to start fresh"

@@ -25,6 +25,8 @@ class CheckpointWriter:
     `quant_stats["recipes"]` holds `schedule.forward_weight_names` (the presets an export
     quantizes the weights as) and the reference logits come from their quantized forward, also
     after a `precision.bf16_forward_from` switch or a schedule's BF16 Fprop.
+    `quant_stats["activation_amax"]` holds a float per quantized linear, a list of one per
+    expert for an MoE block's expert linears.
 
     Args:
         cfg: the run config.
@@ -48,7 +50,7 @@ class CheckpointWriter:
 
     def save(self, step: int, state: Any, iterator: Any) -> None:
         """Writes the checkpoint of `step` with its quant_stats and reference items."""
-        amax = {k: float(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
+        amax = {k: _floats(host_value(v)) for k, v in flat_amax(state.activation_amax).items()}
         quantized = [p for p, name in self.recipes.items() if name != "bf16"]
         stats = {"recipes": self.recipes, "activation_amax": {p: amax[p] for p in quantized}}
         reference = None
@@ -62,3 +64,9 @@ class CheckpointWriter:
             step, state, data_iter_state=iterator.get_state(), config=self.config_dict,
             quant_stats=stats, reference=reference,
         )  # fmt: skip
+
+
+def _floats(value: Any) -> float | list[float]:
+    """A host amax as JSON: a float, or a list of floats (an expert linear: one per expert)."""
+    array = np.asarray(value, np.float64)
+    return float(array) if array.ndim == 0 else array.tolist()

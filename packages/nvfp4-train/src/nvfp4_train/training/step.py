@@ -30,9 +30,15 @@ from jax.sharding import Mesh
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import activation_constraint
-from nvfp4_train.model.config import ModelConfig, linear_paths
+from nvfp4_train.model.config import ModelConfig, input_amax_shape, linear_paths
 from nvfp4_train.model.decoder import Llama
-from nvfp4_train.model.layers import INPUT_AMAX
+from nvfp4_train.model.moe_config import MoEConfig
+from nvfp4_train.model.moe_stats import (
+    auxiliary_objective,
+    load_metrics,
+    split_sown,
+    update_router_bias,
+)
 from nvfp4_train.model.stacking import LayerLayout, global_norm
 from nvfp4_train.optim.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
 from nvfp4_train.precision.policy import backend_spec, layer_recipes, run_layout
@@ -113,7 +119,9 @@ def state_from_params(
 ) -> TrainState:
     """The step-0 state of a run whose parameters are `params` (a fresh init, or weights
     imported with `model.init_from`): fresh optimizer state, no activation statistics yet."""
-    amax = _amax_tree({p: jnp.zeros((), jnp.float32) for p in linear_paths(model)})
+    amax = _amax_tree(
+        {p: jnp.zeros(input_amax_shape(model, p), jnp.float32) for p in linear_paths(model)}
+    )
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
 
 
@@ -148,21 +156,44 @@ def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
     return flat_paths(activation_amax)
 
 
-def forward_with_amax(
+class ForwardStats(NamedTuple):
+    """What a forward reports besides its logits.
+
+    Attributes:
+        amax: max |input| of each linear in this call (an expert linear: one per expert), tree
+            as in `TrainState.activation_amax` (per layer).
+        moe: each MoE block's statistics (`model.moe.MOE_STATS`) at its `mlp` path, in the
+            params' layout (stacked blocks with a leading layer axis); empty for a dense model.
+        moe_per_layer: `moe` with its stacked blocks split per layer.
+    """
+
+    amax: dict[str, Any]
+    moe: dict[str, Any]
+    moe_per_layer: dict[str, Any]
+
+
+def forward_with_stats(
     graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
-) -> tuple[jax.Array, dict[str, Any]]:
-    """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
-    `TrainState.activation_amax`). `documents`: None, or (segment ids, positions) [B, L] of
-    packed documents (`Llama.__call__`)."""
+) -> tuple[jax.Array, ForwardStats]:
+    """(float32 logits [B, L, vocab], `ForwardStats`). `documents`: None, or (segment ids,
+    positions) [B, L] of packed documents (`Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
     segment_ids, positions = (None, None) if documents is None else documents
     logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(
         inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions
     )
-    sown = nnx.to_pure_dict(intermediates)
-    is_linear = lambda node: isinstance(node, dict) and INPUT_AMAX in node  # noqa: E731
-    amax = jax.tree.map(lambda node: node[INPUT_AMAX], sown, is_leaf=is_linear)
-    return logits_BxLxV, model.layout.to_canonical(amax)
+    amax, moe = split_sown(nnx.to_pure_dict(intermediates))
+    layout = model.layout
+    return logits_BxLxV, ForwardStats(layout.to_canonical(amax), moe, layout.to_canonical(moe))
+
+
+def forward_with_amax(
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
+) -> tuple[jax.Array, dict[str, Any]]:
+    """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
+    `TrainState.activation_amax`); see `forward_with_stats`."""
+    logits_BxLxV, stats = forward_with_stats(graphdef, params, inputs_BxL, key, documents)
+    return logits_BxLxV, stats.amax
 
 
 def forward(
@@ -188,14 +219,15 @@ def batch_documents(batch: Batch, constrain=None) -> tuple[jax.Array, jax.Array]
 
 def _loss_sum(
     graphdef, params, batch: Batch, key, constrain=_no_constraint
-) -> tuple[jax.Array, int, dict[str, Any]]:
-    """float32 sum of token cross-entropies, the number of tokens, and the linears' input amax."""
+) -> tuple[jax.Array, int, ForwardStats]:
+    """float32 sum of token cross-entropies, the number of tokens, and the forward's
+    statistics (the linears' input amax, the MoE blocks' routing)."""
     inputs_BxL = constrain("tokens", batch["inputs"])
     documents = batch_documents(batch, constrain)
-    logits_BxLxV, amax = forward_with_amax(graphdef, params, inputs_BxL, key, documents)
+    logits_BxLxV, stats = forward_with_stats(graphdef, params, inputs_BxL, key, documents)
     logits_BxLxV = constrain("logits", logits_BxLxV)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-    return losses_BxL.sum(), losses_BxL.size, amax
+    return losses_BxL.sum(), losses_BxL.size, stats
 
 
 def _split_microbatches(batch: Batch, accum: int) -> Batch:
@@ -208,27 +240,38 @@ def _split_microbatches(batch: Batch, accum: int) -> Batch:
 
 
 def _accumulated_grads(
-    graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0, constrain
+    graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0, constrain, moe_cfg
 ):
-    """Mean loss, the gradients of `mean loss * loss_scale` summed over microbatches, and the
-    linears' input amax max-reduced over microbatches (starting from the tree `amax0`)."""
+    """Mean loss, the gradients of `(mean loss + MoE auxiliary losses) * loss_scale` summed over
+    microbatches, the linears' input amax max-reduced over microbatches (starting from the tree
+    `amax0`), and the MoE statistics (params' layout) and metrics averaged over microbatches."""
 
     def scaled_loss(p, micro: Batch, micro_key):
-        loss_sum, count, amax = _loss_sum(graphdef, p, micro, micro_key, constrain)
+        loss_sum, count, stats = _loss_sum(graphdef, p, micro, micro_key, constrain)
         loss = loss_sum / count
-        return loss * loss_scale / accum, (loss / accum, amax)
+        objective = loss + auxiliary_objective(moe_cfg, stats.moe_per_layer)
+        moe = (stats.moe, load_metrics(stats.moe_per_layer))
+        return objective * loss_scale / accum, (loss / accum, stats.amax, moe)
 
     def body(carry, xs):
         index, micro = xs
         grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-        (_, (loss, amax)), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
-        loss_sum, grad_sum = jax.tree.map(jnp.add, carry[:2], (loss, grads))
-        return (loss_sum, grad_sum, jax.tree.map(jnp.maximum, carry[2], amax)), None
+        (_, (loss, amax, moe)), grads = grad_fn(params, micro, jax.random.fold_in(key, index))
+        moe = jax.tree.map(lambda x: x / accum, moe)
+        loss_sum, grad_sum, moe_sum = jax.tree.map(jnp.add, (carry[0], carry[1], carry[3]),
+                                                   (loss, grads, moe))  # fmt: skip
+        return (loss_sum, grad_sum, jax.tree.map(jnp.maximum, carry[2], amax), moe_sum), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), amax0)
-    xs = (jnp.arange(accum), _split_microbatches(batch, accum))
-    (loss, grads, amax), _ = jax.lax.scan(body, zeros, xs)
-    return loss, grads, amax
+    micro_batches = _split_microbatches(batch, accum)
+    moe0 = ({}, {})
+    if moe_cfg.num_experts:  # the MoE statistics' tree, traced once more (shapes only)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(lambda: scaled_loss(params, first, key)[1][2])
+        moe0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), amax0, moe0)
+    xs = (jnp.arange(accum), micro_batches)
+    (loss, grads, amax, moe), _ = jax.lax.scan(body, zeros, xs)
+    return loss, grads, amax, moe
 
 
 def _updated_amax(running, step_amax, skipped: jax.Array):
@@ -254,6 +297,7 @@ def make_train_step(
     seed: int,
     grad_accum_steps: int = 1,
     mesh: Mesh | None = None,
+    moe: MoEConfig | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Returns the pure `train_step(state, batch) -> (state, metrics)`; jit it once, donating state.
 
@@ -266,28 +310,38 @@ def make_train_step(
         grad_accum_steps: microbatches per step (`train.grad_accum_steps`).
         mesh: constrain the tokens and logits to its batch / vocab sharding
             (`activation_constraint`); None: no constraint.
+        moe: the model's `model.moe` section (its auxiliary losses join the objective, its
+            router bias moves after every applied step); required for a model with MoE blocks.
 
     Metrics (scalars): `loss` (mean FP32 token cross-entropy of the batch), `grad_norm` (global
     norm of the unscaled, unclipped gradients), `lr`, `skipped` (1 if this update was skipped as
-    non-finite), `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling).
+    non-finite), `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling); with MoE
+    blocks also `aux_loss`, `z_loss`, `max_load` and per block `moe` (`moe_stats.load_metrics`,
+    averaged over the microbatches).
     """
     accum = grad_accum_steps
     if accum < 1:
         raise ValueError(f"train.grad_accum_steps must be >= 1, got {accum}")
     constrain = activation_constraint(mesh)
+    moe = MoEConfig() if moe is None else moe
 
     def train_step(state: TrainState, batch: Batch):
         key = step_key(seed, state.step)
         loss_scale = current_loss_scale(state.opt_state)
         amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
-        loss, grads, step_amax = _accumulated_grads(
-            graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain
+        loss, grads, step_amax, (moe_stats, moe_metrics) = _accumulated_grads(
+            graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain, moe
         )
+        if moe_stats and not moe.num_experts:
+            raise ValueError("the model has MoE blocks: pass its model.moe to make_train_step")
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skipped = last_step_skipped(opt_state)
+        if moe.bias_update_rate:  # not moved by a skipped step (a rate of 0 adds +-0)
+            rate = jnp.where(skipped, 0.0, moe.bias_update_rate)
+            params = update_router_bias(params, moe_stats, rate)
         amax = _updated_amax(state.activation_amax, step_amax, skipped)
-        metrics = {
+        metrics = moe_metrics | {
             "loss": loss,
             "grad_norm": global_norm(grads) / loss_scale,
             "lr": lr_schedule(state.step),

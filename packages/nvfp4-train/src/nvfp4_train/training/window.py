@@ -12,7 +12,7 @@ import jax
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.mesh.sharding import host_value
 from nvfp4_train.model.flops import Throughput, device_peak, train_flops_per_token
-from nvfp4_train.observe.metrics import summarize_window
+from nvfp4_train.observe.metrics import summarize_moe, summarize_window
 
 
 class MetricsWindow:
@@ -61,7 +61,7 @@ class MetricsWindow:
             host, step=step, seconds=seconds, tokens=train.batch_size * train.seq_len * len(host),
             skipped_total=int(host[-1]["skipped_total"]),
         )  # fmt: skip
-        row |= self.throughput.fields(row["tokens_per_s"])
+        row |= summarize_moe(host) | self.throughput.fields(row["tokens_per_s"])
         if self.cfg.optimizer.loss_scaling.mode != "none":
             row["loss_scale"] = float(host[-1]["loss_scale"])
         self.steps = []

@@ -1,0 +1,192 @@
+"""The Mixture-of-Experts MLP of an MoE block: router, routed experts, shared experts.
+
+Parameters of an MoE block's `mlp` (float32 masters; `E = moe.num_experts`, `F =
+moe.expert_mlp_dim`, `S = moe.shared_mlp_dim`):
+    router.kernel           [d_model, E]        never quantized (float32 logits and softmax)
+    router.score_bias       [E]                 auxiliary-loss-free balancing bias; not trained
+                                                 by the optimizer (zero gradient, no decay)
+    experts.gate_up.kernel  [E, d_model, 2F]    per expert: gate | up, as a dense `mlp.gate_up`
+    experts.down.kernel     [E, F, d_model]
+    shared.gate_up.kernel   [d_model, 2S]       (shared_experts > 0)
+    shared.down.kernel      [S, d_model]
+    shared_gate.kernel      [d_model, 1]        (shared_expert_gate; never quantized)
+
+The routed experts run as two grouped GEMMs (`nvfp4_ops.ragged_dot`: the recipe's three GEMMs
+per expert, with per-expert tensor scales), dispatched and combined by `model.dispatch`; the
+shared experts are a `layers.MLP`. Every quantized linear follows the precision policy like a
+dense one (paths `layers.{i}.mlp.experts.gate_up`, `...experts.down`, `...shared.gate_up`,
+`...shared.down`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import nvfp4_ops
+from nvfp4_train.model.dispatch import combine, dispatch, gather_rows
+from nvfp4_train.model.layers import MLP, sow_input_amax, swiglu
+from nvfp4_train.model.moe_config import expert_capacity
+from nvfp4_train.model.routing import (
+    Routing,
+    expert_counts,
+    load_balancing_loss,
+    route,
+    router_entropy,
+    z_loss,
+)
+
+MOE_STATS = ("expert_tokens", "dropped_tokens", "aux_loss", "z_loss", "router_entropy")
+"""The `nnx.Intermediate`s an `MoEMLP` call sows on itself: float32 [E] assignments per expert
+(before the capacity), and float32 scalars: assignments dropped by the capacity, the
+load-balancing loss, the router z-loss and the mean router entropy of the call."""
+
+
+ROUTER_BIAS = "score_bias"
+"""The name of the router's auxiliary-loss-free balancing bias: a parameter (saved, restored and
+sharded like one) that the forward reads through `stop_gradient` and the train step moves
+(`training.step`), never the optimizer."""
+
+
+class Router(nnx.Module):
+    """Float32 router logits `x @ kernel` and softmax top-k routing (`model.routing.route`)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        moe, init = cfg.moe, jax.nn.initializers.normal(stddev=cfg.init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (cfg.d_model, moe.num_experts), jnp.float32))
+        setattr(self, ROUTER_BIAS, nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32)))
+        self.moe = moe
+
+    def __call__(self, x_TxD: jax.Array) -> Routing:
+        moe = self.moe
+        logits = jnp.dot(x_TxD.astype(jnp.float32), self.kernel[...],
+                         precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+        bias = jax.lax.stop_gradient(getattr(self, ROUTER_BIAS)[...])
+        return route(logits, k=moe.experts_per_token, norm_topk_prob=moe.norm_topk_prob,
+                     score_bias_E=bias if moe.bias_update_rate else None)  # fmt: skip
+
+
+def group_amax(x_AxK: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    """float32 [E]: max |x| over each group's rows (0 for an empty group; rows past the groups
+    are not counted)."""
+    num_groups, rows = group_sizes_E.shape[0], x_AxK.shape[0]
+    ends = jnp.cumsum(group_sizes_E)
+    group_A = jnp.searchsorted(ends, jnp.arange(rows), side="right")
+    row_amax = jnp.max(jnp.abs(x_AxK), axis=-1).astype(jnp.float32)
+    return jax.ops.segment_max(row_amax, group_A, num_segments=num_groups + 1)[:num_groups].clip(0)
+
+
+class GroupedLinear(nnx.Module):
+    """`y_g = x_g @ W_e` for each expert's rows: `nvfp4_ops.ragged_dot` with a fixed recipe.
+
+    The kernel is stored [E, in, out] in float32. Sows the max |x| of each expert's rows
+    (float32 [E], after the compute-dtype cast) as `layers.INPUT_AMAX`.
+    """
+
+    def __init__(self, experts: int, in_features: int, out_features: int, *,
+                 recipe: nvfp4_ops.Recipe, init_std: float, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
+        init = jax.nn.initializers.normal(stddev=init_std)
+        shape = (experts, in_features, out_features)
+        self.kernel = nnx.Param(init(rngs.params(), shape, jnp.float32))
+        self.recipe, self.backend, self.dtype = recipe, backend, dtype
+
+    def __call__(self, x_AxI: jax.Array, group_sizes_E: jax.Array, key=None) -> jax.Array:
+        x = x_AxI.astype(self.dtype)
+        sow_input_amax(self, group_amax(x, group_sizes_E))
+        y = nvfp4_ops.ragged_dot(
+            x, self.kernel[...].astype(self.dtype), group_sizes_E, recipe=self.recipe, key=key,
+            backend=self.backend, preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        return y.astype(self.dtype)
+
+
+class Experts(nnx.Module):
+    """The routed experts of an MoE block: SwiGLU MLPs as two grouped linears."""
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *,
+                 rngs: nnx.Rngs, backend: str | tuple[str, ...] = "auto"):  # fmt: skip
+        moe, dtype = cfg.moe, cfg.compute_dtype
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.gate_up = GroupedLinear(
+            moe.num_experts, cfg.d_model, 2 * moe.expert_mlp_dim,
+            recipe=recipes[f"{prefix}.gate_up"], init_std=cfg.init_std, dtype=dtype, rngs=rngs,
+            backend=backend,
+        )  # fmt: skip
+        self.down = GroupedLinear(
+            moe.num_experts, moe.expert_mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"],
+            init_std=out_std, dtype=dtype, rngs=rngs, backend=backend,
+        )  # fmt: skip
+
+    def __call__(self, x_AxD: jax.Array, group_sizes_E: jax.Array, keys) -> jax.Array:
+        hidden = swiglu(self.gate_up(x_AxD, group_sizes_E, keys[0]))
+        return self.down(hidden, group_sizes_E, keys[1])
+
+
+class MoEMLP(nnx.Module):
+    """Router + routed experts (+ shared experts) of one MoE block (see the module docstring).
+
+    Called on [B, L, d_model] (all B * L tokens routed together) with the keys of its four
+    quantized linears (experts.gate_up, experts.down, shared.gate_up, shared.down).
+    """
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *,
+                 rngs: nnx.Rngs, backend: str | tuple[str, ...] = "auto"):  # fmt: skip
+        moe = self.moe = cfg.moe
+        self.dtype = cfg.compute_dtype
+        self.router = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, recipes, f"{prefix}.experts", rngs=rngs, backend=backend)
+        if moe.shared_experts:
+            self.shared = MLP(cfg, recipes, f"{prefix}.shared", rngs=rngs, backend=backend,
+                              hidden=moe.shared_mlp_dim)  # fmt: skip
+        if moe.shared_expert_gate:
+            self.shared_gate = nnx.Linear(
+                cfg.d_model, 1, use_bias=False, dtype=jnp.float32,
+                kernel_init=jax.nn.initializers.normal(stddev=cfg.init_std),
+                precision=jax.lax.Precision.HIGHEST, rngs=rngs,
+            )  # fmt: skip
+
+    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, ...]) -> jax.Array:
+        moe = self.moe
+        b, l, d = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(b * l, d)
+        routing = self.router(x_TxD)
+        d_ = dispatch(routing.experts_TxK, num_experts=moe.num_experts,
+                      capacity=expert_capacity(moe, b * l))  # fmt: skip
+        x_AxD = gather_rows(x_TxD.astype(self.dtype), d_, moe.experts_per_token)
+        y_AxD = self.experts(x_AxD, d_.group_sizes, keys[0:2])
+        out_TxD = combine(y_AxD, routing.weights_TxK, d_, self.dtype)
+        if moe.shared_experts:
+            shared = self.shared(x_TxD, keys[2:4])
+            if moe.shared_expert_gate:
+                gate_logit = self.shared_gate(x_TxD.astype(jnp.float32))
+                shared = (jax.nn.sigmoid(gate_logit) * shared.astype(jnp.float32)).astype(
+                    self.dtype
+                )
+            out_TxD = out_TxD + shared
+        self._sow_stats(routing, d_)
+        return out_TxD.reshape(b, l, d)
+
+    def _sow_stats(self, routing, d_) -> None:
+        counts_E = expert_counts(routing.experts_TxK, self.moe.num_experts)
+        stats = {
+            "expert_tokens": counts_E,
+            "dropped_tokens": counts_E.sum() - d_.group_sizes.sum().astype(jnp.float32),
+            "aux_loss": load_balancing_loss(routing, counts_E),
+            "z_loss": z_loss(routing),
+            "router_entropy": router_entropy(routing),
+        }
+        for name, value in stats.items():
+            self.sow(nnx.Intermediate, name, value, reduce_fn=_latest, init_fn=_zero_like(value))
+
+
+def _latest(previous, value):
+    del previous
+    return value
+
+
+def _zero_like(value):
+    return lambda: jnp.zeros_like(value)
