@@ -234,7 +234,7 @@ QUICK = {
                                     "test_swizzle.py", "test_errors.py", "test_mxfp4.py"),
     "packages/nvfp4-ops/tests": ("test_recipe.py", "test_hadamard.py", "test_forward.py",
                                  "test_backend_selection.py"),
-    "packages/nvfp4-train/tests": ("test_config.py", "test_policy.py", "test_optim.py",
+    "packages/nvfp4-train/tests": ("test_layout.py", "test_config.py", "test_policy.py", "test_optim.py",
                                    "test_data_packing.py", "test_data_prepare.py",
                                    "test_memory.py", "test_flops.py",
                                    "test_model.py::test_gqa_attention_matches_reference_with_repeated_kv",
