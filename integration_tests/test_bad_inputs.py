@@ -6,6 +6,7 @@ A row failing means a bad input became a traceback, a silent wrong result or a d
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -20,6 +21,8 @@ _spec = importlib.util.spec_from_file_location("nvfp4_export_tests_conftest", _E
 _export_conftest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_export_conftest)
 write_run = _export_conftest.write_run
+
+import hf_models  # noqa: E402
 
 import nvfp4_format as nf  # noqa: E402
 import nvfp4_ops  # noqa: E402
@@ -75,6 +78,17 @@ def place(tmp_path_factory):
     (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
     shutil.copytree(root / "export", root / "export_list_config")
     (root / "export_list_config" / "config.json").write_text("[1]")
+    write("listkey.yaml", "train:\n  steps: 3\n? [a, b]\n: 1\n")
+    (root / "latin1.yaml").write_bytes("train:\n  steps: 3 # caf\xe9\n".encode("latin-1"))
+    hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128}  # fmt: skip
+    for name, changes in (("hf_no_weights", {}), ("hf_half_layer", {"num_hidden_layers": 2.5})):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps({**hf, **changes}))
+        hf_models.tokenizer().save(str(root / name / "tokenizer.json"))
+    (root / "hf_no_tokenizer").mkdir()
+    (root / "hf_no_tokenizer" / "config.json").write_text(json.dumps(hf))
     shutil.copytree(run, root / "run_without_integrity")
     shutil.rmtree(root / "run_without_integrity" / CHECKPOINTS_DIR / "2" / INTEGRITY_ITEM)
     return root
@@ -102,6 +116,27 @@ CLI_ROWS = [
     ("train", ["run", "{root}/seqlen.yaml"], 2, "train.seq_len must be <= model.max_seq_len"),
     ("train", ["run", "{root}/output_is_file.yaml"], 2, "is a file, not a directory"),
     ("train", ["run", "{root}/nodata.yaml", "output_dir={root}/o"], 2, "none.txt"),
+    ("train", ["run", "{root}/ok.yaml", "output_dir={root}/o", "mesh.data=3"], 2, "must equal"),
+    ("train", ["show-config", "{root}/listkey.yaml"], 2, "a key of the YAML is a list"),
+    ("train", ["show-config", "{root}/latin1.yaml"], 2, "is not UTF-8 text"),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "model.init_from={root}/hf_no_tokenizer"],
+        2,
+        "has no tokenizer.json, so the data's token ids would not be the ones the model learnt",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "model.init_from={root}/hf_half_layer"],
+        2,
+        "config.json's num_hidden_layers must be a whole number, got 2.5",
+    ),
+    (
+        "train",
+        ["run", "{root}/ok.yaml", "model.init_from={root}/hf_no_weights", "output_dir={root}/o"],
+        2,
+        "holds no model.safetensors or model.safetensors.index.json",
+    ),
     (
         "train",
         ["show-config", "{root}/ok.yaml", "train.steps"],
@@ -319,7 +354,7 @@ def test_a_bad_command_line_is_one_clear_error(place, capsys, tool, argv, code, 
     assert "Traceback" not in text
     after = {p: p.stat().st_mtime_ns for p in (place / "run").rglob("*") if p.is_file()}
     assert after == before  # the run a bad command names is never touched
-    if tool == "export":  # nothing written: no output, no temporary left beside it
+    if tool in ("export", "train"):  # nothing written: no output, no run directory, no temporary
         assert sorted(place.iterdir()) == entries
     assert (place / "notes" / "mine.txt").read_text() == "keep me"
 

@@ -123,6 +123,19 @@ def test_later_override_wins_and_input_is_not_mutated():
     assert mapping == {"train": {"steps": 5}}
 
 
+def test_a_mapping_override_updates_the_section_it_names():
+    """`optimizer={learning_rate: 0.01}` sets that key and keeps the section's others (it once
+    replaced the whole section: warmup_steps fell back to its default without a word)."""
+    cfg = load_config(REPO / "examples/configs/tiny.yaml", ["optimizer={learning_rate: 0.01}"])
+    assert cfg.optimizer.learning_rate == 0.01 and cfg.optimizer.warmup_steps == 20
+    nested = apply_overrides({"model": {"moe": {"num_experts": 8, "expert_mlp_dim": 64}}},
+                             ["model={moe: {num_experts: 4}, d_model: 32}"])  # fmt: skip
+    assert nested == {"model": {"moe": {"num_experts": 4, "expert_mlp_dim": 64}, "d_model": 32}}
+    assert apply_overrides({"train": {"steps": 5}}, ["train.steps={a: 1}"]) == {
+        "train": {"steps": {"a": 1}}
+    }  # a value given a mapping is replaced (and then refused by the config's types)
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

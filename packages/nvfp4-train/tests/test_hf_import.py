@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+import tokenizers
 
 from nvfp4_train.config.run_config import ConfigError, config_from_dict
 from nvfp4_train.model.hf_config import HFConfigError, model_section
@@ -61,6 +62,8 @@ def hf_tensors(hf: dict, rng: np.random.Generator, dtype=np.float32) -> dict[str
 def write_model(path, hf: dict, tensors: dict[str, np.ndarray], shards: int = 1):
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf))
+    word_level = tokenizers.models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")
+    tokenizers.Tokenizer(word_level).save(str(path / "tokenizer.json"))  # any; nothing tokenizes
     if shards == 1:
         safetensors.numpy.save_file(tensors, str(path / "model.safetensors"))
         return path
@@ -287,9 +290,8 @@ def test_bad_weights_are_named(tmp_path):
     (truncated / "model.safetensors").write_bytes(data[: len(data) - 100])
     with pytest.raises(HFImportError, match=r"cannot read .*model.safetensors"):
         _load(truncated)
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    (pickled / "config.json").write_text(json.dumps(QWEN3))
+    pickled = write_model(tmp_path / "pickled", QWEN3, tensors)
+    (pickled / "model.safetensors").unlink()
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04")
     with pytest.raises(HFImportError, match=r"pickled weights are never loaded"):
         _load(pickled)

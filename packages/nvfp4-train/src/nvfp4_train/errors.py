@@ -1,9 +1,9 @@
 """Errors a run raises for the command line to report in one line (see `nvfp4_train.cli`).
 
 The project's error types, and what `nvfp4-train` does with each: a user mistake
-(`ConfigError`, `DataError`, `hf_config.HFConfigError`: `cli.USER_ERRORS`) prints one
-`error:` line and exits 2; a run that cannot go on (`RunError` and its subclasses
-`model.hf_weights.HFImportError`, `checkpoint.items.NonFiniteState`) prints one and exits 1. Any other
+(`ConfigError`, `DataError`, `hf_config.HFConfigError` and its `hf_weights.HFImportError`: `cli.USER_ERRORS`) prints one
+`error:` line and exits 2; a run that cannot go on (`RunError` and its subclass
+`checkpoint.items.NonFiniteState`) prints one and exits 1. Any other
 exception is a bug and keeps its traceback. (`checkpoint.items.CorruptCheckpoint` never reaches the
 CLI: `nvfp4_train.training.resume` passes over an unreadable checkpoint.)
 """

@@ -1,7 +1,8 @@
 """The run directory: created with errors a person can act on, and used by one run at a time.
 
 `make_run_dir` creates `output_dir` (and its parents) or says why it cannot: it is a file, a
-parent is a file, it is not writable. `run_lock` takes an exclusive lock on it for the whole run
+parent is a file, it is not writable; `run_directory` removes one it created if the run fails
+before writing anything into it. `run_lock` takes an exclusive lock on it for the whole run
 (`nvfp4-train run` and `nvfp4-train eval` both write to it): a second process is refused with the
 holder's pid, host and start time. The lock is an `fcntl.flock` on `.nvfp4-train.lock`, which the
 operating system releases when its process ends, however it ends (SIGKILL included), so a stale
@@ -56,6 +57,25 @@ def make_run_dir(path: Path) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{where} is not writable by this user; choose another output_dir")
     return path
+
+
+@contextlib.contextmanager
+def run_directory(path: Path) -> Iterator[Path]:
+    """`make_run_dir(path)` for the block; a directory this call created is removed again if
+    the block fails while no file but the run lock is in it (empty directories, such as the
+    checkpoint manager's, aside): a run that never started leaves no run directory behind. A
+    directory that existed is never touched."""
+    created = not path.exists()
+    make_run_dir(path)
+    try:
+        yield path
+    except BaseException:
+        if created and all(p.is_dir() or p.name == LOCK_FILE for p in path.rglob("*")):
+            (path / LOCK_FILE).unlink(missing_ok=True)
+            for directory in sorted(path.rglob("*"), key=lambda p: -len(p.parts)):
+                directory.rmdir()
+            path.rmdir()
+        raise
 
 
 def _holder(fd: int) -> str:

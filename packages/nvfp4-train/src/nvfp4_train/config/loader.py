@@ -203,6 +203,12 @@ class _Loader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool | None):
+                line = key_node.start_mark.line + 1
+                raise ConfigError(
+                    f"a key of the YAML is a {type(key).__name__}, not a name (line {line}); "
+                    "keys are plain names such as 'model' or 'd_model'"
+                )
             if key in seen:
                 line = key_node.start_mark.line + 1
                 raise ConfigError(f"duplicate key {shown(key)} at line {line} of the YAML")
@@ -267,7 +273,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(mapping: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Returns a deep copy of `mapping` with each `dotted.key=value` override set in it."""
+    """Returns a deep copy of `mapping` with each `dotted.key=value` override set in it; a
+    mapping value given for a section updates that section's keys (`optimizer={learning_rate:
+    0.01}` is `optimizer.learning_rate=0.01`), it does not replace the section."""
     result = _deep_copy(mapping)
     for text in overrides:
         parts, value = parse_override(text)
@@ -278,8 +286,21 @@ def apply_overrides(mapping: Mapping[str, Any], overrides: Iterable[str]) -> dic
                 where = ".".join(parts[: i + 1])
                 raise ConfigError(f"override {shown(text)}: {where!r} is a value, not a section")
             node = child
-        node[parts[-1]] = value
+        old = node.get(parts[-1])
+        node[parts[-1]] = _merged(old, value) if isinstance(old, dict) else value
     return result
+
+
+def _merged(section: dict[str, Any], value: Any) -> Any:
+    """A mapping override of a section updates its keys (nested sections likewise) instead of
+    replacing it: `optimizer={learning_rate: 0.01}` keeps the section's other keys."""
+    if not isinstance(value, Mapping):
+        return value
+    merged = dict(section)
+    for key, item in value.items():
+        old = merged.get(key)
+        merged[key] = _merged(old, item) if isinstance(old, dict) else item
+    return merged
 
 
 def _deep_copy(mapping: Mapping[str, Any]) -> dict[str, Any]:

@@ -266,9 +266,13 @@ def read_config_file(path: str | Path) -> Any:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}); is it a config?"
+        ) from None
     try:
         return read_yaml(text)
     except ConfigError as e:

@@ -128,19 +128,19 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
                 f"model.init_from: {key}={hf[key]!r} is not supported (only {supported!r})"
             )
     try:
-        heads = int(hf["num_attention_heads"])
-        d_model = int(hf["hidden_size"])
+        heads = _int(hf, "num_attention_heads")
+        d_model = _int(hf, "hidden_size")
         theta, scaling = _rope(hf)
-        limit = int(hf.get("max_position_embeddings", 2048))
+        limit = _int(hf, "max_position_embeddings", 2048)
         section: dict[str, Any] = {
             "architecture": kind,
-            "vocab_size": int(hf["vocab_size"]),
+            "vocab_size": _int(hf, "vocab_size"),
             "d_model": d_model,
-            "num_layers": int(hf["num_hidden_layers"]),
+            "num_layers": _int(hf, "num_hidden_layers"),
             "num_heads": heads,
-            "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-            "head_dim": int(hf.get("head_dim") or d_model // heads),
-            "mlp_dim": int(hf["intermediate_size"]),
+            "num_kv_heads": _int(hf, "num_key_value_heads", heads),
+            "head_dim": _int(hf, "head_dim", d_model // heads),
+            "mlp_dim": _int(hf, "intermediate_size"),
             "rope_theta": theta,
             "rope_scaling": scaling,
             "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
@@ -169,6 +169,24 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
             f"={limit}"
         )
     return section
+
+
+def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """config.json's `key` as an int: a whole number (2, or 2.0), never a truncated 2.5, a
+    boolean or a null; a missing `key` (or a null optional one) is `default`, a missing required
+    one a KeyError."""
+    if key not in hf:
+        if default is None:
+            raise KeyError(key)
+        return default
+    value = hf[key]
+    if value is None and default is not None:
+        return default
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise HFConfigError(f"model.init_from: config.json's {key} must be a whole number, "
+                            f"got {value!r}")  # fmt: skip
+    return int(value)
 
 
 def _agrees(key: str, mine: Any, theirs: Any, section: Mapping[str, Any]) -> bool:
@@ -236,11 +254,25 @@ def _eos_token(hf: Mapping[str, Any], tokenizer_file: Path) -> str | None:
 def fill_data_section(data: Mapping[str, Any], model_dir: str | Path) -> dict[str, Any]:
     """`data` with the model directory's tokenizer: `tokenizer_path` (unless the user set one)
     and, unless set, `eos_token` = config.json's `eos_token_id` (documents are separated by the
-    token the model was trained to end text with)."""
+    token the model was trained to end text with).
+
+    Raises:
+        HFConfigError: the directory has no tokenizer.json and the user gave no
+            `data.tokenizer_path`: the model's embedding would be trained on another
+            tokenizer's ids (the byte tokenizer's, say) without a word.
+    """
     data = dict(data)
     tokenizer_file = Path(model_dir) / TOKENIZER_FILE
-    if "tokenizer_path" in data or not tokenizer_file.is_file():
+    if "tokenizer_path" in data:
         return data
+    if not tokenizer_file.is_file():
+        if not Path(model_dir).is_dir():  # a saved run config of a moved model: nothing to fill
+            return data
+        raise HFConfigError(
+            f"model.init_from: {str(model_dir)!r} has no {TOKENIZER_FILE}, so the data's token "
+            "ids would not be the ones the model learnt; set data.tokenizer_path to the model's "
+            "tokenizer"
+        )
     data["tokenizer_path"] = str(model_dir)
     if "eos_token" not in data:
         try:

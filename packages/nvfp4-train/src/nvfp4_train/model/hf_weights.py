@@ -30,8 +30,8 @@ import numpy as np
 from nvfp4_format.safetensors_file import read_tensor
 from nvfp4_format.safetensors_header import SafetensorsHeader, read_safetensors_header
 from nvfp4_format.safetensors_index import read_safetensors_index
-from nvfp4_train.errors import RunError
 from nvfp4_train.model.config import ModelConfig
+from nvfp4_train.model.hf_config import HFConfigError
 from nvfp4_train.model.stacking import is_stacked, layer_paths
 from nvfp4_train.tree_paths import key_names
 
@@ -42,8 +42,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Tensors of old checkpoints that are buffers, not weights (recomputed from the config)."""
 
 
-class HFImportError(RunError):
-    """Weights of a Hugging Face model directory that cannot be imported (named with the reason)."""
+class HFImportError(HFConfigError):
+    """Weights of a Hugging Face model directory that cannot be imported (named with the reason):
+    a user error like the directory's other problems (one `error:` line, exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)

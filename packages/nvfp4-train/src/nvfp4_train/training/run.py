@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import jax
 
-from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, make_run_dir
+from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, run_directory
 from nvfp4_train.config.loader import to_yaml
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.mesh.sharding import bytes_per_device, make_mesh
@@ -58,17 +58,16 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
         ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
     """
     stream = sys.stdout if stream is None else stream
-    run_dir = make_run_dir(Path(cfg.output_dir))
-    with exclusive(run_dir):
-        return _run(cfg, run_dir, stream)
+    cfg, datasets = with_data(cfg)  # data and mesh errors before anything is written
+    mesh = make_mesh(cfg.mesh, jax.devices())
+    with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
+        return _run(cfg, datasets, mesh, run_dir, stream)
 
 
-def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
+def _run(cfg: Config, datasets: Any, mesh: Any, run_dir: Path, stream: TextIO) -> RunSummary:
     """`run` inside the run directory's lock."""
     say = sayer(stream)
-    cfg, datasets = with_data(cfg)
     iterator = datasets.train_iterator()
-    mesh = make_mesh(cfg.mesh, jax.devices())  # ConfigError if it does not fit the devices
     written = cfg  # config.yaml keeps precision.backend as configured
     say(f"run directory: {run_dir.resolve()}")
     cfg = with_trusted_backend(cfg, say)
