@@ -113,14 +113,20 @@ def plot_runs(
     return output
 
 
-def _model_order(path: str) -> tuple[int, int, str]:
-    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in its block's
-    linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an MoE block)."""
+def _model_order(path: str) -> tuple[int, int, int, str]:
+    """Sort key of `layers.{i}.{name}` (or an expert's `layers.{i}.{name}[{e}]`): layer index,
+    then the name's place in its block's linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an
+    MoE block), then the expert."""
+    expert = -1
+    if path.endswith("]") and "[" in path:
+        path_only, index = path[:-1].rsplit("[", 1)
+        if index.isdigit():
+            path, expert = path_only, int(index)
     parts = path.split(".", 2)
     index = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
     name = parts[-1]
     names = LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES
-    return index, names.index(name) if name in names else len(names), path
+    return index, names.index(name) if name in names else len(names), expert, path
 
 
 def quant_grid(
