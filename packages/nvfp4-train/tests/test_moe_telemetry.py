@@ -1,4 +1,4 @@
-"""Quantization telemetry of the routed experts (one row per expert).
+"""Quantization telemetry of the routed experts (one row per expert) and `plot --experts`.
 
 One probe of a 2-block NVFP4 MoE model (block 0 quantized, block 1 BF16 as the last block) with
 one expert pushed out of the routing by its balancing bias, checked against each expert's dense
@@ -27,6 +27,7 @@ from nvfp4_train.model.decoder import linear_keys
 from nvfp4_train.observe.health import QuantHealthConfig, make_health_tracker
 from nvfp4_train.observe.metrics import EXPERT_TOKENS, quant_row, read_metrics
 from nvfp4_train.observe.plot import quant_grid
+from nvfp4_train.observe.plot_experts import expert_load, plot_experts
 from nvfp4_train.observe.telemetry import capture_linear_operands, expert_stats
 from nvfp4_train.training.run import run
 from nvfp4_train.training.step import step_key
@@ -185,3 +186,48 @@ def test_plot_quant_draws_one_row_per_expert(moe_telemetry_runs, tmp_path):
         *(f"{p}[{e}]" for p in GROUPED for e in range(EXPERTS)),
     ]  # fmt: skip
     assert main(["plot", "--quant", str(run_dir), "-o", str(tmp_path / "q.png")]) == 0
+
+
+def test_plot_experts_writes_a_png(moe_telemetry_runs, tmp_path, capsys):
+    _, _, _, run_dir = moe_telemetry_runs
+    out = tmp_path / "load.png"
+    assert main(["plot", "--experts", str(run_dir), "-o", str(out)]) == 0
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+
+
+def test_plot_experts_refuses_a_dense_run(tmp_path, capsys):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    rows = [{"step": s, "loss": 3.0 / s} for s in (1, 2)] + [{"step": 2, "quant": {}}]
+    (dense / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", "--experts", str(dense)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: run_dir: '{dense}' has no Mixture")
+    assert not (dense / "experts.png").exists()
+    assert main(["plot", "--experts", str(dense), str(dense)]) == 2
+    assert "plot --experts takes one RUN_DIR, got 2" in capsys.readouterr().err
+
+
+def _block(load, dropped=0.0):
+    return {"load": load, "max_load": max(load) * len(load), "dropped": dropped}
+
+
+def test_expert_load_orders_blocks_by_layer_and_keeps_the_later_row(tmp_path):
+    rows = [
+        {"step": 2, "moe": {"layers.10": _block([0.5, 0.5]), "layers.2": _block([0.9, 0.1])}},
+        {"step": 1, "moe": {"layers.2": _block([0.25, 0.75], dropped=0.125)}},
+        {"step": 2, "quant": {}},
+        {"step": 2, "moe": {"layers.10": _block([1.0, 0.0]), "layers.2": _block([0.5, 0.5])}},
+    ]
+    load = expert_load(rows)
+    assert load.steps == [1, 2] and list(load.share) == ["layers.2", "layers.10"]
+    np.testing.assert_array_equal(load.share["layers.2"], [[0.25, 0.5], [0.75, 0.5]])
+    np.testing.assert_array_equal(load.share["layers.10"], [[np.nan, 1.0], [np.nan, 0.0]])
+    np.testing.assert_array_equal(load.max_load["layers.10"], [np.nan, 2.0])
+    np.testing.assert_array_equal(load.dropped["layers.2"], [0.125, 0.0])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_experts(tmp_path / "run", tmp_path / "load.png")  # with the dropped panel
+    assert out.read_bytes().startswith(PNG_MAGIC)

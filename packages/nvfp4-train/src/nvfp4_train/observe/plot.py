@@ -233,7 +233,8 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(grids) :]:
         ax.axis("off")
-    fig.suptitle(f"{run_label(run_dir)}: quantization {stat} per linear and step (grey: missing)")
+    grey = "missing; an expert's x, dy: no tokens" if any("[" in p for p in paths) else "missing"
+    fig.suptitle(f"{run_label(run_dir)}: quantization {stat} per linear and step (grey: {grey})")
     scale = "log scale, white: 0" if _is_log(norm) else "linear scale"
     fig.colorbar(
         image, ax=axes.ravel().tolist(), fraction=0.03, pad=0.01, label=f"{stat} ({scale})"
