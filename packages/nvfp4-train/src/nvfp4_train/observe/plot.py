@@ -217,7 +217,7 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
         )
     cols = min(3, len(grids))
     nrows = -(-len(grids) // cols)
-    height = max(2.5, 0.22 * len(paths) + 1.6)
+    height = min(max(2.5, 0.22 * len(paths) + 1.6), 30.0)  # many experts: rows get thinner
     fig, axes = plt.subplots(nrows, cols, figsize=(5.4 * cols, height * nrows), dpi=110,
                              squeeze=False, layout="constrained")  # fmt: skip
     norm = _color_norm(np.concatenate([g.ravel() for g in grids.values()]), stat)
