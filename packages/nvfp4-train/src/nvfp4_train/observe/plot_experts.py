@@ -123,10 +123,11 @@ def plot_experts(run_dir: str | Path, output: str | Path) -> Path:
 
 def _figure(plt, load: ExpertLoad, dropped: bool):
     """One heat-map row per block (height by its experts), then the line panels: max/mean load
-    and, when any assignment was dropped, the dropped fraction."""
+    and, when any assignment was dropped, the dropped fraction; at most 40 inches in all (many
+    blocks: thinner panels)."""
     heights = [min(0.16 * grid.shape[0], 3.0) + 0.5 for grid in load.share.values()]
     heights += [1.6, 1.3] if dropped else [1.6]
-    fig, axes = plt.subplots(len(heights), 1, sharex=True, figsize=(9, sum(heights) + 0.9),
+    fig, axes = plt.subplots(len(heights), 1, sharex=True, figsize=(9, min(sum(heights) + 0.9, 40.0)),
                              dpi=110, layout="constrained",
                              gridspec_kw={"height_ratios": heights})  # fmt: skip
     return fig, np.atleast_1d(axes)
