@@ -86,6 +86,23 @@ def test_tensorboard_writes_quant_scalars(tmp_path):
     ]  # fmt: skip
 
 
+def test_tensorboard_tags_of_an_expert_have_no_brackets(tmp_path):
+    board = TensorBoard(tmp_path)
+    expert = {"fprop_x": {"amax": 1.5, "tokens": 7}, "fprop_w": {"amax": 0.5}}
+    idle = {"fprop_x": {"amax": 0.0, "tokens": 0}, "fprop_w": {"amax": 0.25}}
+    row = quant_row(
+        3, {"layers.1.mlp.experts.down[2]": expert, "layers.1.mlp.experts.down[3]": idle}
+    )
+    board.write(row)
+    board.close()
+    assert sorted(read_scalars(tmp_path)) == [
+        ("quant/layers.1.mlp.experts.down/2/fprop_w/amax", 3, 0.5),
+        ("quant/layers.1.mlp.experts.down/2/fprop_x/amax", 3, 1.5),
+        ("quant/layers.1.mlp.experts.down/2/fprop_x/tokens", 3, 7.0),
+        ("quant/layers.1.mlp.experts.down/3/fprop_w/amax", 3, 0.25),  # no x row without tokens
+    ]
+
+
 def test_summarize_quant_names_the_worst_layer_and_the_largest_fractions():
     assert summarize_quant(STATS) == (
         "quant worst layers.1.attn.qkv wgrad_dy err 0.142  max uf 0.0002  sat 0.041"

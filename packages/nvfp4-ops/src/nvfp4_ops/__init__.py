@@ -23,7 +23,7 @@ from nvfp4_ops.backends import (
 from nvfp4_ops.dot import dot_general
 from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
-from nvfp4_ops.grouped import ragged_dot
+from nvfp4_ops.grouped import ragged_dot, ragged_operand_stats
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
 from nvfp4_ops.qdot import RESIDUAL_NAME
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, compose, get_recipe
@@ -61,6 +61,7 @@ __all__ = [
     "operand_stats",
     "quantize_fp8",
     "ragged_dot",
+    "ragged_operand_stats",
     "select_backend",
     "te_sharding",
     "verification",

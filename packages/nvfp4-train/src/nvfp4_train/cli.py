@@ -12,6 +12,8 @@
     nvfp4-train plot --quant RUN_DIR [-o quant.png] [--stat rel_error]
                                                          quantization telemetry heat maps
                                                          (default: RUN_DIR/quant.png)
+    nvfp4-train plot --experts RUN_DIR [-o experts.png]  expert load of an MoE run over steps
+                                                         (default: RUN_DIR/experts.png)
 
 A user mistake (one of the project's user-error types, `USER_ERRORS`: bad config, bad data,
 wrong run directory; or an `OSError` naming a file) prints one `error:` line and exits 2; a run
@@ -82,20 +84,28 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     plot = sub.add_parser(
-        "plot", help="draw the loss curves of runs on one PNG, or (--quant) a run's telemetry"
+        "plot",
+        help="draw the loss curves of runs on one PNG, or (--quant) a run's telemetry, or "
+        "(--experts) an MoE run's expert load",
     )
     plot.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     plot.add_argument(
         "-o", "--output", type=Path, default=None,
-        help="PNG path (default: loss.png, or quant.png, in the first RUN_DIR)",
+        help="PNG path (default: loss.png, quant.png or experts.png, in the first RUN_DIR)",
     )  # fmt: skip
     plot.add_argument(
         "--smoothing", type=float, default=0.6, help="EMA weight of the train loss, in [0, 1)"
     )
-    plot.add_argument(
+    kind = plot.add_mutually_exclusive_group()
+    kind.add_argument(
         "--quant", action="store_true",
         help="heat maps (linear x step, one panel per GEMM operand) of ONE run's quantization "
         "telemetry (logging.quant_stats_every > 0)",
+    )  # fmt: skip
+    kind.add_argument(
+        "--experts", action="store_true",
+        help="ONE Mixture-of-Experts run's expert load: each expert's share of the assignments "
+        "per block and step, max/mean load and dropped fraction",
     )  # fmt: skip
     plot.add_argument(
         "--stat", default="rel_error",
@@ -150,13 +160,18 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from nvfp4_train.observe.plot import plot_quant, plot_runs
+    from nvfp4_train.observe.plot_experts import plot_experts
 
-    if args.quant and len(args.run_dirs) != 1:
+    flag = "--quant" if args.quant else "--experts" if args.experts else None
+    if flag and len(args.run_dirs) != 1:
         names = " ".join(str(d) for d in args.run_dirs)
-        raise ConfigError(f"plot --quant takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
-    output = args.output or args.run_dirs[0] / ("quant.png" if args.quant else "loss.png")
+        raise ConfigError(f"plot {flag} takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
+    name = {"--quant": "quant.png", "--experts": "experts.png"}.get(flag, "loss.png")
+    output = args.output or args.run_dirs[0] / name
     if args.quant:
         path = plot_quant(args.run_dirs[0], output, stat=args.stat)
+    elif args.experts:
+        path = plot_experts(args.run_dirs[0], output)
     else:
         path = plot_runs(args.run_dirs, output, smoothing=args.smoothing)
     print(f"wrote {path}")

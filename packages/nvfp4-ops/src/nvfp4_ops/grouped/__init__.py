@@ -10,9 +10,11 @@ this subpackage but `nvfp4_ops/__init__` and `nvfp4_ops.verify` imports it):
   scales (tokens), as `nvfp4_ops.gemm_table` describes them;
 - `gemm`: the grouped GEMMs per backend (emulated windows, xla `ragged_dot_general`);
 - `qdot`: the quantized custom_vjp; `unquantized`: the "bf16" recipe's;
-- `dot`: `ragged_dot`, the public entry point.
+- `dot`: `ragged_dot`, the public entry point;
+- `telemetry`: `ragged_operand_stats`, the quantization statistics of those operands per group.
 """
 
 from nvfp4_ops.grouped.dot import ragged_dot
+from nvfp4_ops.grouped.telemetry import ragged_operand_stats
 
-__all__ = ["ragged_dot"]
+__all__ = ["ragged_dot", "ragged_operand_stats"]

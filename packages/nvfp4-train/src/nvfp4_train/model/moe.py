@@ -28,7 +28,15 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.dispatch import combine, dispatch, gather_rows
-from nvfp4_train.model.layers import MLP, sow_input_amax, swiglu
+from nvfp4_train.model.layers import (
+    MLP,
+    OPERAND_W,
+    OPERAND_X,
+    OUTPUT_GRAD,
+    LinearOperand,
+    sow_input_amax,
+    swiglu,
+)
 from nvfp4_train.model.moe_config import expert_capacity
 from nvfp4_train.model.routing import (
     Routing,
@@ -79,11 +87,21 @@ def group_amax(x_AxK: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     return jax.ops.segment_max(row_amax, group_A, num_segments=num_groups + 1)[:num_groups].clip(0)
 
 
+OPERAND_GROUP_SIZES = "group_sizes"
+"""Name of the third `LinearOperand` a `GroupedLinear` in capture mode sows: its group sizes."""
+
+
 class GroupedLinear(nnx.Module):
     """`y_g = x_g @ W_e` for each expert's rows: `nvfp4_ops.ragged_dot` with a fixed recipe.
 
     The kernel is stored [E, in, out] in float32. Sows the max |x| of each expert's rows
     (float32 [E], after the compute-dtype cast) as `layers.INPUT_AMAX`.
+
+    Capture mode (`capture_operands = True`, set only inside a telemetry probe, as on
+    `layers.QuantLinear`) also sows x [A, in] and the kernel [E, in, out] (compute dtype) and
+    the group sizes (int32 [E]) as `LinearOperand`s named `OPERAND_X`, `OPERAND_W`,
+    `OPERAND_GROUP_SIZES`, and adds the perturbation `OUTPUT_GRAD` to the output (dy [A, out]).
+    Off (the default) the call traces to the same graph as without it.
     """
 
     def __init__(self, experts: int, in_features: int, out_features: int, *,
@@ -93,15 +111,23 @@ class GroupedLinear(nnx.Module):
         shape = (experts, in_features, out_features)
         self.kernel = nnx.Param(init(rngs.params(), shape, jnp.float32))
         self.recipe, self.backend, self.dtype = recipe, backend, dtype
+        self.capture_operands = False
 
     def __call__(self, x_AxI: jax.Array, group_sizes_E: jax.Array, key=None) -> jax.Array:
         x = x_AxI.astype(self.dtype)
         sow_input_amax(self, group_amax(x, group_sizes_E))
+        w = self.kernel[...].astype(self.dtype)
         y = nvfp4_ops.ragged_dot(
-            x, self.kernel[...].astype(self.dtype), group_sizes_E, recipe=self.recipe, key=key,
+            x, w, group_sizes_E, recipe=self.recipe, key=key,
             backend=self.backend, preferred_element_type=jnp.float32,
         )  # fmt: skip
-        return y.astype(self.dtype)
+        y = y.astype(self.dtype)
+        if self.capture_operands:
+            operands = {OPERAND_X: x, OPERAND_W: w, OPERAND_GROUP_SIZES: group_sizes_E}
+            for name, value in operands.items():
+                self.sow(LinearOperand, name, value, reduce_fn=_latest)
+            y = self.perturb(OUTPUT_GRAD, y)
+        return y
 
 
 class Experts(nnx.Module):

@@ -7,8 +7,8 @@
 rows with `step`, `val_loss` and `source: "eval"`. A model with MoE blocks adds `aux_loss`,
 `z_loss`, `max_load` and `moe: {block: {load: [share per expert], max_load, dropped, entropy,
 aux_loss, z_loss}}` to its training rows (`summarize_moe`). With `logging.quant_stats_every`, telemetry
-rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`) sit between them;
-readers pick rows by the keys they need.
+rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`; one path per routed
+expert, `expert_path`) sit between them; readers pick rows by the keys they need.
 
 Example:
     >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
@@ -134,20 +134,38 @@ def _json_safe(value: Any) -> Any:
 # --------------------------------------------------------------------------- quant telemetry
 
 
+EXPERT_TOKENS = "tokens"
+"""The entry an expert's x and dy roles carry besides the statistics: the expert's rows (token
+assignments) in the probed microbatch, an int."""
+
+
+def expert_path(path: str, expert: int) -> str:
+    """The telemetry path of one expert of a routed experts' grouped linear:
+    `layers.1.mlp.experts.gate_up[3]`."""
+    return f"{path}[{expert}]"
+
+
 def _host_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _host_role(values: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One role's host values; None for the x or dy role of an expert that got no tokens."""
+    if EXPERT_TOKENS in values and int(values[EXPERT_TOKENS]) == 0:
+        return None
+    return {s: int(v) if s == EXPERT_TOKENS else _host_float(v) for s, v in values.items()}
+
+
 def quant_row(step: int, stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
     """The metrics row of one telemetry probe: `{"step": step, "quant": {path: {role: {stat:
-    float}}}}`, from the probe's output (device or host scalars; None stays None)."""
-    quant = {
-        path: {
-            role: {stat: _host_float(v) for stat, v in values.items()}
-            for role, values in roles.items()
-        }
-        for path, roles in stats.items()
-    }
+    float}}}}`, from the probe's output (device or host scalars; None stays None). An expert's
+    x and dy roles carry `EXPERT_TOKENS` (an int); an expert without tokens has none of them
+    (its weight roles only), so no empty statistic reaches a reader or the health checks."""
+    quant = {}
+    for path, roles in stats.items():
+        host = {role: _host_role(values) for role, values in roles.items()}
+        if kept := {role: values for role, values in host.items() if values is not None}:
+            quant[path] = kept
     return {"step": int(step), "quant": quant}
 
 
@@ -274,7 +292,8 @@ class TensorBoard:
     def write(self, row: Mapping[str, Any]) -> None:
         """Adds every numeric field but `step` as a scalar at `row['step']`; an MoE row's block
         statistics as `moe/<block>/<stat>` (`moe/<block>/load/<expert>`); a telemetry row's
-        values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped)."""
+        values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped; an expert's
+        `path[e]` as `path/e`, TensorBoard's tags allowing no brackets)."""
         step = int(row["step"])
         for key, value in row.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
@@ -288,10 +307,11 @@ class TensorBoard:
                     name = f"moe/{block}/{stat}" + (f"/{e}" if isinstance(value, list) else "")
                     self._writer.add_scalar(name, v, step)
         for path, roles in row.get("quant", {}).items():
+            name = path[:-1].replace("[", "/") if path.endswith("]") else path
             for role, values in roles.items():
                 for stat, value in values.items():
                     if value is not None:
-                        self._writer.add_scalar(f"quant/{path}/{role}/{stat}", value, step)
+                        self._writer.add_scalar(f"quant/{name}/{role}/{stat}", value, step)
         self._writer.flush()
 
     def close(self) -> None:

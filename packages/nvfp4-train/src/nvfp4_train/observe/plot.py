@@ -113,14 +113,20 @@ def plot_runs(
     return output
 
 
-def _model_order(path: str) -> tuple[int, int, str]:
-    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in its block's
-    linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an MoE block)."""
+def _model_order(path: str) -> tuple[int, int, int, str]:
+    """Sort key of `layers.{i}.{name}` (or an expert's `layers.{i}.{name}[{e}]`): layer index,
+    then the name's place in its block's linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an
+    MoE block), then the expert."""
+    expert = -1
+    if path.endswith("]") and "[" in path:
+        path_only, index = path[:-1].rsplit("[", 1)
+        if index.isdigit():
+            path, expert = path_only, int(index)
     parts = path.split(".", 2)
     index = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
     name = parts[-1]
     names = LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES
-    return index, names.index(name) if name in names else len(names), path
+    return index, names.index(name) if name in names else len(names), expert, path
 
 
 def quant_grid(
@@ -211,7 +217,7 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
         )
     cols = min(3, len(grids))
     nrows = -(-len(grids) // cols)
-    height = max(2.5, 0.22 * len(paths) + 1.6)
+    height = min(max(2.5, 0.22 * len(paths) + 1.6), 30.0)  # many experts: rows get thinner
     fig, axes = plt.subplots(nrows, cols, figsize=(5.4 * cols, height * nrows), dpi=110,
                              squeeze=False, layout="constrained")  # fmt: skip
     norm = _color_norm(np.concatenate([g.ravel() for g in grids.values()]), stat)
@@ -227,7 +233,8 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(grids) :]:
         ax.axis("off")
-    fig.suptitle(f"{run_label(run_dir)}: quantization {stat} per linear and step (grey: missing)")
+    grey = "missing; an expert's x, dy: no tokens" if any("[" in p for p in paths) else "missing"
+    fig.suptitle(f"{run_label(run_dir)}: quantization {stat} per linear and step (grey: {grey})")
     scale = "log scale, white: 0" if _is_log(norm) else "linear scale"
     fig.colorbar(
         image, ax=axes.ravel().tolist(), fraction=0.03, pad=0.01, label=f"{stat} ({scale})"

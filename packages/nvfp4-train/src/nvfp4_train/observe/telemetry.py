@@ -1,10 +1,12 @@
 """Per-linear quantization telemetry: each linear's GEMM operands, and their NVFP4 statistics.
 
-`capture_linear_operands` runs the model once in the capture mode of `QuantLinear` (on a merged
-copy, inside the traced function) and returns, per linear, the three tensors its GEMMs quantize:
-the input x, the kernel w and the incoming gradient dy. `make_quant_probe` turns them into
-`nvfp4_ops.gemm_operand_stats` per quantized linear and GEMM operand role. The train step is not
-touched: its graph is the same whether or not a probe exists, and a probe changes no state.
+`capture_linear_operands` runs the model once in the capture mode of `QuantLinear` and
+`GroupedLinear` (on a merged copy, inside the traced function) and returns, per linear, the
+tensors its GEMMs quantize: the input x, the kernel w and the incoming gradient dy (and, for the
+routed experts' grouped linears, the group sizes). `make_quant_probe` turns them into
+`nvfp4_ops.gemm_operand_stats` per quantized linear and GEMM operand role, and
+`nvfp4_ops.ragged_operand_stats` per expert (`expert_stats`). The train step is not touched: its
+graph is the same whether or not a probe exists, and a probe changes no state.
 
 Example:
     >>> probe = jax.jit(make_quant_probe(graphdef, cfg.model))  # doctest: +SKIP
@@ -27,12 +29,18 @@ from nvfp4_train.mesh.sharding import activation_constraint
 from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES, ModelConfig
 from nvfp4_train.model.decoder import linear_keys, unstacked
 from nvfp4_train.model.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
+from nvfp4_train.model.moe import OPERAND_GROUP_SIZES, GroupedLinear
+from nvfp4_train.observe.health import ROLE_FAMILIES
+from nvfp4_train.observe.metrics import EXPERT_TOKENS, expert_path
 from nvfp4_train.tree_paths import flat_paths
 
 Batch = dict[str, jax.Array]
-Operands = tuple[jax.Array, jax.Array, jax.Array]
+Operands = tuple[jax.Array, ...]
+"""(x, w, dy) of a linear; (x, w, dy, group_sizes) of a routed experts' grouped linear."""
 QuantStats = dict[str, dict[str, dict[str, jax.Array]]]
-"""{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`."""
+"""{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`;
+an expert's path is `expert_path(path, e)` (see `expert_stats`)."""
+_CAPTURING = (QuantLinear, GroupedLinear)
 
 
 def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
@@ -45,11 +53,11 @@ def _flat(tree: dict[str, Any], name: str) -> dict[str, jax.Array]:
 
 def _capturing_model(graphdef: nnx.GraphDef, params) -> nnx.Module:
     """A fresh merged model, one Block per layer (`model.unstacked`: the capture mode runs
-    unscanned and without remat), whose `QuantLinear`s are in capture mode (the graphdef is
-    unchanged)."""
+    unscanned and without remat), whose `QuantLinear`s and `GroupedLinear`s are in capture mode
+    (the graphdef is unchanged)."""
     model = unstacked(nnx.merge(graphdef, params))
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, QuantLinear):
+        if isinstance(module, _CAPTURING):
             module.capture_operands = True
     return model
 
@@ -78,7 +86,10 @@ def capture_linear_operands(
         x [B, L, in] the input as the GEMM receives it (compute dtype), w [in, out] the kernel in
         the compute dtype, dy [B, L, out] (compute dtype) the gradient of the mean token
         cross-entropy of `batch` (unscaled: no loss scale, no microbatch division) w.r.t. the
-        linear's output. Unjitted the paths come in model order; a jitted call returns the
+        linear's output. The routed experts' grouped linears (`layers.{i}.mlp.experts.*`) give
+        (x, w, dy, group_sizes): x [A, in] their rows sorted by expert (A = B L k assignments;
+        rows past sum(group_sizes) are dropped ones, not computed), w [E, in, out], dy [A, out],
+        group_sizes int32 [E]. Unjitted the paths come in model order; a jitted call returns the
         dict key-sorted (as JAX returns every dict), so iterate over `linear_paths` for order.
     """
     missing = sorted({"inputs", "targets"} - set(batch))
@@ -111,7 +122,11 @@ def capture_linear_operands(
     grads, operands = jax.grad(loss, has_aux=True)(zeros)
     operands, grads = nnx.to_pure_dict(operands), nnx.to_pure_dict(grads)
     xs, ws, dys = _flat(operands, OPERAND_X), _flat(operands, OPERAND_W), _flat(grads, OUTPUT_GRAD)
-    return {path: (xs[path], ws[path], dys[path]) for path in sorted(xs, key=_model_order)}
+    groups = _flat(operands, OPERAND_GROUP_SIZES)
+    return {
+        path: (xs[path], ws[path], dys[path], *([groups[path]] if path in groups else []))
+        for path in sorted(xs, key=_model_order)
+    }
 
 
 def _model_order(path: str) -> tuple[int, int]:
@@ -122,12 +137,13 @@ def _model_order(path: str) -> tuple[int, int]:
 
 
 def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
-    """{path: recipe} of the model's quantized linears (recipe not "bf16"), in model order."""
+    """{path: recipe} of the model's quantized linears (recipe not "bf16"), the routed experts'
+    grouped linears included, in model order."""
     model = unstacked(nnx.merge(graphdef, params))
     recipes = {
         ".".join(str(p) for p in path): module.recipe
         for path, module in nnx.iter_modules(model)
-        if isinstance(module, QuantLinear) and module.recipe.quantized
+        if isinstance(module, _CAPTURING) and module.recipe.quantized
     }
     return {path: recipes[path] for path in sorted(recipes, key=_model_order)}
 
@@ -153,7 +169,7 @@ def make_quant_probe(
     stochastic-rounding draws are the train step's. dy is the gradient of that microbatch's mean
     loss (no loss scale, no 1/grad_accum_steps): amax of the dy roles differs from the train
     step's by that factor; the other statistics are scale-free. Linears whose recipe is "bf16"
-    are left out.
+    are left out. A routed experts' grouped linear gives one entry per expert (`expert_stats`).
 
     Args:
         graphdef: The graphdef the train step runs.
@@ -173,9 +189,39 @@ def make_quant_probe(
             graphdef, params, _first_microbatch(batch, accum), micro_key, constrain=constrain
         )
         keys = linear_keys(model, micro_key)
-        return {
-            path: nvfp4_ops.gemm_operand_stats(*operands[path], recipe, keys[path])
-            for path, recipe in linear_recipes(graphdef, params).items()
-        }
+        stats: QuantStats = {}
+        for path, recipe in linear_recipes(graphdef, params).items():
+            x, w, dy, *groups = operands[path]
+            if not groups:
+                stats[path] = nvfp4_ops.gemm_operand_stats(x, w, dy, recipe, keys[path])
+                continue
+            per_expert = nvfp4_ops.ragged_operand_stats(x, w, dy, groups[0], recipe, keys[path])
+            stats.update(expert_stats(path, per_expert, groups[0]))
+        return stats
 
     return probe
+
+
+def expert_stats(
+    path: str, stats: dict[str, dict[str, jax.Array]], group_sizes_E: jax.Array
+) -> QuantStats:
+    """One row per expert of a grouped linear's statistics (`nvfp4_ops.ragged_operand_stats`,
+    {role: {stat: [E]}}): {`expert_path(path, e)`: {role: {stat: scalar}}}, every role of an x
+    or dy operand also carrying `EXPERT_TOKENS`, the expert's rows (its assignments in the
+    probed microbatch). `metrics.quant_row` leaves out those roles of an expert without rows.
+
+    Example:
+        >>> stats = {"fprop_x": {"amax": jnp.array([1.0, 0.0])},
+        ...          "fprop_w": {"amax": jnp.array([0.5, 0.25])}}
+        >>> rows = expert_stats("layers.1.mlp.experts.down", stats, jnp.array([3, 0]))
+        >>> sorted(rows), int(rows["layers.1.mlp.experts.down[1]"]["fprop_x"]["tokens"])
+        (['layers.1.mlp.experts.down[0]', 'layers.1.mlp.experts.down[1]'], 0)
+    """
+    out: QuantStats = {}
+    for e in range(group_sizes_E.shape[0]):
+        out[expert_path(path, e)] = {
+            role: {stat: v[e] for stat, v in values.items()}
+            | ({} if ROLE_FAMILIES[role] == "weight" else {EXPERT_TOKENS: group_sizes_E[e]})
+            for role, values in stats.items()
+        }
+    return out
