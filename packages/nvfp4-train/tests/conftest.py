@@ -37,7 +37,8 @@ def _scan_layers_from(request):
 
 LONGEST_FIRST = (
     "test_scan.py", "test_step.py", "test_telemetry.py", "test_backend_check.py",
-    "test_schedule.py", "test_safety.py", "test_moe.py", "test_distributed.py", "test_resume.py",
+    "test_schedule.py", "test_moe_telemetry.py", "test_safety.py", "test_moe.py",
+    "test_distributed.py", "test_resume.py",
     "test_precision_schedule.py", "test_attention.py", "test_sharding.py",
     "test_run_telemetry.py", "test_cli.py", "test_model.py",
 )  # fmt: skip
