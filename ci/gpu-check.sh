@@ -4,8 +4,9 @@
 #   2. the ops benchmark (one dot_general and a 2-layer MLP per recipe, per backend) and the
 #      train-step benchmark (the tiny Llama, BF16 vs NVFP4) for each available backend;
 #   3. a short NVFP4 training of examples/configs/tiny.yaml on each available backend;
-#   4. each fused attention kernel that runs here (cudnn; te with TE) against naive attention
-#      (nvfp4_train.precision.attention_check, Llama-3-8B's heads: 32 query / 8 key-value heads of 128);
+#   4. each fused attention kernel that runs here (cudnn; te with TE) against the reference
+#      (nvfp4_train.precision.attention_check, Llama-3-8B's heads: 32 query / 8 key-value heads of
+#      128, 8192 tokens, up to 16 documents per row, remat dots);
 #   5. with TE available on 2 or more GPUs: backend="te" on a sharded mesh against one device
 #      (packages/nvfp4-ops/conformance/sharded_te.py --installed);
 #   6. the GPU-only risks that remain untested elsewhere (docs/ops.md), each with what above shows it.
@@ -58,12 +59,17 @@ done
 python - "$out/attention.json" <<'PY' || status=1
 import json, sys
 import jax, jax.numpy as jnp
-from nvfp4_train.model.attention import attention_capability
+from nvfp4_train.model.attention import attention_capability, host_gpu
 from nvfp4_train.precision.attention_check import verify_attention
 rows = {}
+heads = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+platform = jax.default_backend()
+quick = bool(int(__import__("os").environ.get("QUICK", "0")))
 for name in ("cudnn", "te"):
-    ok, why = attention_capability(name, platform=jax.default_backend(), dtype=jnp.bfloat16, head_dim=128)
-    report = verify_attention(name, dtype=jnp.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128) if ok else None
+    ok, why = attention_capability(name, platform=platform, dtype=jnp.bfloat16, gpu=host_gpu(platform), **heads)
+    # as a run of 8192 tokens with up to 16 documents per row and remat dots computes it
+    shape = {"seq_len": 256 if quick else 8192, "max_documents": 16, "remat": "dots"}
+    report = verify_attention(name, dtype=jnp.bfloat16, **heads, **shape) if ok else None
     rows[name] = {"runs_here": ok, "why_not": why, "ok": report.ok if report else None,
                   "errors": report.errors if report else None, "error": report.error if report else None}
     print(f"attention {name}: {report.summary() if report else 'not here: ' + why}")

@@ -156,6 +156,9 @@ class _EnumType(type):
     def __iter__(cls) -> Iterator[_Member]:
         return iter(cls.__dict__["_members"].values())
 
+    def __instancecheck__(cls, member: object) -> bool:
+        return isinstance(member, _Member) and member.owner == cls.__name__
+
 
 class _Extension(types.ModuleType):
     """Stand-in for `transformer_engine_jax`: enum types on demand, no kernels."""
@@ -175,6 +178,23 @@ def _no_kernel(name: str):
     return call
 
 
+def _fused_attn_backend(ext: types.ModuleType):
+    def backend(*args):
+        chosen = ext.NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen
+        return (chosen, "") if len(args) == 1 else chosen  # 2.20 takes one params object
+
+    return backend
+
+
+def _qkv_format(ext: types.ModuleType):
+    def qkv_format(layout: _Member) -> _Member:  # NVTE_THD_THD_THD -> NVTE_THD, NVTE_BS3HD -> ...
+        name = layout.name.removeprefix("NVTE_")
+        short = "THD" if name.startswith("T") else "SBHD" if name.startswith("SB") else "BSHD"
+        return getattr(ext.NVTE_QKV_Format, f"NVTE_{short}")
+
+    return qkv_format
+
+
 def _extension() -> types.ModuleType:
     ext = _Extension("transformer_engine_jax")
     ext.registrations = dict
@@ -185,8 +205,14 @@ def _extension() -> types.ModuleType:
     ext.get_num_compute_streams = lambda: 1
     ext.get_grouped_gemm_setup_workspace_size = lambda n: 0
     ext.nvte_built_with_cublasmp = lambda: False
+    # fused attention: cuDNN's arbitrary-length backend for every shape, no workspace (the
+    # kernel itself is te_attention_standin.py's CPU lowering)
+    ext.get_fused_attn_backend = _fused_attn_backend(ext)
+    workspace = lambda *args: ((0,), ext.DType.kByte)  # noqa: E731
+    ext.get_fused_attn_fwd_workspace_sizes = ext.get_fused_attn_bwd_workspace_sizes = workspace
+    ext.nvte_get_qkv_format = _qkv_format(ext)
     for name in ("get_cgemm_num_max_streams", "initialize_cgemm_communicator",
-                 "is_collective_gemm_with_cublasmp", "nvte_get_qkv_format"):  # fmt: skip
+                 "is_collective_gemm_with_cublasmp"):  # fmt: skip
         setattr(ext, name, _no_kernel(name))
     return ext
 

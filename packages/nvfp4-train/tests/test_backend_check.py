@@ -103,7 +103,8 @@ def test_an_agreeing_backend_is_kept():
     said = []
     choice = trusted_backend(PrecisionConfig(backend="xla"), {"nvfp4"}, said.append)
     assert choice == BackendChoice("xla")
-    assert "backend 'xla' agrees with 'emulated' on 18 checks of nvfp4, nvfp4-no-sr" in said[0]
+    # 24 checks: 4 cases (aligned, unaligned, batched, grouped ragged_dot) x 2 recipes x y, dX, dW
+    assert "backend 'xla' agrees with 'emulated' on 24 checks of nvfp4, nvfp4-no-sr" in said[0]
     assert nvfp4_ops.verification("xla")[0]  # recorded: "auto" in the model may now use it
 
 
@@ -157,6 +158,13 @@ def test_te_context_sets_te_mesh_resource_only_where_te_may_run_sharded(gpu_host
     assert isinstance(te_context("te", mesh1, **axes), contextlib.nullcontext)
     te_context("te,xla", mesh8, **axes)
     assert entered == [axes]
+    # fused attention "te" needs TE's mesh context on several devices whatever runs the GEMMs
+    # (without it TE partitions attention for a context-parallel axis named "")
+    gpu_host(te=False)
+    te_context("emulated", mesh8, **axes, attention="te")
+    assert entered == [axes, axes]
+    assert isinstance(te_context("auto", mesh1, **axes, attention="te"), contextlib.nullcontext)
+    assert isinstance(te_context("auto", mesh8, **axes, attention="cudnn"), contextlib.nullcontext)
 
 
 @needs_xla

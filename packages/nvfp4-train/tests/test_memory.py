@@ -3,6 +3,7 @@ sharding rules, and the activation estimate ordered by how much each remat polic
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import yaml
 
 from nvfp4_train.cli import main
 from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
+from nvfp4_train.model.attention import cudnn_mask_is_dense
+from nvfp4_train.training import memory
 from nvfp4_train.training.memory import GIB, estimate_memory
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.step import count_params
@@ -38,9 +41,16 @@ def test_parameters_and_optimizer_are_counted_exactly_and_split_by_fsdp():
 
 
 def test_activations_shrink_with_each_remat_policy_that_keeps_less():
-    kept = [estimate_memory(cfg(remat), 1).activations
-            for remat in ("none", "dots", "dots_no_batch", "quantized", "full")]  # fmt: skip
+    policies = ("none", "dots", "dots_no_batch", "quantized", "full")
+    kept = [estimate_memory(cfg(remat), 1, "naive").activations for remat in policies]
     assert kept == sorted(kept, reverse=True) and len(set(kept)) == 5
+    # a fused kernel's matmuls are no dots: both dots policies keep just its output and
+    # statistics (attention.SAVES_ATTENTION), so that its forward does not run twice
+    fused = {remat: estimate_memory(cfg(remat), 1, "cudnn").activations for remat in policies}
+    assert fused["dots"] == fused["dots_no_batch"] > fused["quantized"]
+    heads, q = MODEL["num_heads"], MODEL["d_model"]  # head_dim * heads = d_model
+    linears = estimate_memory(cfg("dots_no_batch"), 1, "naive").activations
+    assert fused["dots_no_batch"] - linears == 4 * 8 * 64 * (q * 2 + heads * 4)
     full = estimate_memory(cfg("full"), 1)
     assert full.activations == 4 * 8 * 64 * 64 * 2  # blocks x sequences x tokens x d_model x bf16
 
@@ -48,7 +58,9 @@ def test_activations_shrink_with_each_remat_policy_that_keeps_less():
 def test_the_8b_config_fits_8_blackwell_gpus_as_its_comment_says():
     cfg = load_config(REPO / "examples/configs/llama3-8b-blackwell.yaml")
     estimate = estimate_memory(cfg, 8)
-    assert estimate.attention == "cudnn"  # auto on NVIDIA GPUs, bfloat16, head_dim 128
+    # auto on NVIDIA GPUs without TE: cudnn, but not for 8192 masked tokens where it holds a
+    # dense mask (jax <= 0.10.2)
+    assert estimate.attention == ("chunked" if cudnn_mask_is_dense() else "cudnn")
     assert round(estimate.parameters / GIB, 1) == 3.7 and round(estimate.optimizer / GIB, 1) == 7.5
     assert (
         round(estimate.activations / GIB, 1) == 20.3 and round(estimate.transient / GIB, 1) == 31.3
@@ -86,9 +98,10 @@ def test_a_schedule_counts_the_phase_that_keeps_the_most():
     assert scheduled.peak_phase == "[5, end)"
 
 
-def _at_length(seq_len, remat="none"):
+def _at_length(seq_len, remat="none", masked=False):
     model = {**MODEL, "max_seq_len": 512, "remat": remat, "attention_block": 128}
-    return config_from_dict({"model": model, "train": {"batch_size": 2, "seq_len": seq_len}})
+    train = {"batch_size": 2, "seq_len": seq_len}
+    return config_from_dict({"model": model, "train": train, "data": {"document_mask": masked}})
 
 
 def test_fused_attention_keeps_no_scores_and_grows_linearly_with_length():
@@ -108,6 +121,23 @@ def test_fused_attention_keeps_no_scores_and_grows_linearly_with_length():
     assert kept["cudnn", 512].transient == logits
     full = {name: estimate_memory(_at_length(512, "full"), 1, name) for name in ("naive", "cudnn")}
     assert full["naive"].activations == full["cudnn"].activations  # only the block inputs
+
+
+@pytest.mark.parametrize("dense", (True, False), ids=("jax<=0.10.2", "newer"))
+def test_cudnn_with_document_masks_holds_a_dense_mask_where_jax_gives_it_one(monkeypatch, dense):
+    monkeypatch.setattr(memory, "cudnn_mask_is_dense", lambda: dense)
+    masked = {n: estimate_memory(_at_length(512, masked=True), 1, n) for n in ("cudnn", "chunked")}
+    plain = estimate_memory(_at_length(512), 1, "cudnn")
+    logits = 2 * 2 * 512 * 256 * 4
+    if dense:  # the [L, L] bias kept per block (L*c per token), the mask, bias and gradient
+        assert masked["cudnn"].activations - plain.activations == 4 * 2 * 512 * 512 * 2
+        assert masked["cudnn"].transient == 2 * 512 * 512 * (1 + 2 * 2) > logits
+    else:
+        assert masked["cudnn"] == dataclasses.replace(plain, dense_mask=False)
+    assert (
+        masked["chunked"].activations == estimate_memory(_at_length(512), 1, "chunked").activations
+    )
+    assert masked["cudnn"].dense_mask is dense
 
 
 def test_show_config_estimates_the_gpu_attention_and_lists_the_others(tmp_path, capsys):

@@ -109,6 +109,11 @@ class MixedSequences:
             self._orders[source] = cached
         return int(cached[1][position])
 
+    def max_documents_per_row(self) -> int | None:
+        """The most documents any row holds (rows are its sources' sequences), or None."""
+        counts = [s.max_documents_per_row() for s in self._sources]
+        return None if None in counts else max(counts)
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= index < self._length:
             raise IndexError(f"sequence index {index} out of range [0, {self._length})")

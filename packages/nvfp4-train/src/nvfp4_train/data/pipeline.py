@@ -148,6 +148,15 @@ class Datasets:
             seed=self.seed,
         )
 
+    def max_documents_per_row(self) -> int | None:
+        """The most documents any training or validation row holds (one pass over the corpus;
+        what `model.attention_max_documents: 0` resolves to), or None when rows carry no
+        documents."""
+        counts = [
+            s.max_documents_per_row() for s in (self.train_sequences, self.validation_sequences)
+        ]
+        return None if None in counts else max(counts)
+
     def train_loader(self) -> grain.DataLoader:
         """The grain `DataLoader`: infinite, sharded, shuffled with `seed`, batched."""
         if self.num_workers > 0:

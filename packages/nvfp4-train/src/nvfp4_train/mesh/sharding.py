@@ -192,17 +192,62 @@ def host_value(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def activation_constraint(mesh: Mesh | None) -> Callable[[str, jax.Array], jax.Array]:
-    """`constrain(kind, x)`: `with_sharding_constraint` of a batch ("tokens" [B, L]) or logits
-    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp, vocab over tensor);
-    the identity without a mesh."""
+def attention_specs(mesh: Mesh, batch_size: int, num_heads: int, num_kv_heads: int) -> tuple[P, P]:
+    """(spec of q, k and v [B, L, heads, head_dim], spec of segment ids [B, L]) for the fused
+    attention kernels: rows over data x fsdp (as `batch_sharding`), heads over `tensor` only when
+    it divides BOTH head counts, length and head_dim whole. TE's kernel pairs query head h with
+    kv head h // (H / G) of the same device and its partition rule keeps the shardings it is
+    given (q split over heads with k, v not: wrong pairs, no error); jax's cuDNN rule raises
+    unless q, k and v are split alike.
 
-    def constrain(kind: str, x: jax.Array) -> jax.Array:
+    Example:
+        >>> mesh = jax.sharding.AbstractMesh((1, 1, 4), AXES)
+        >>> attention_specs(mesh, 8, num_heads=32, num_kv_heads=8)[0]
+        P(None, None, 'tensor', None)
+    """
+    rows = _fit((BATCH_AXES, None), (batch_size, 1), mesh)
+    tensor = mesh.shape["tensor"]
+    split = tensor > 1 and num_heads % tensor == 0 and num_kv_heads % tensor == 0
+    return P(rows[0], None, "tensor" if split else None, None), rows
+
+
+def attention_heads_note(
+    mesh_shape: dict[str, int], num_heads: int, num_kv_heads: int
+) -> str | None:
+    """A start-up line when `tensor` cannot split attention's heads (every device of a tensor
+    group then computes all of them), else None."""
+    tensor = mesh_shape.get("tensor", 1)
+    if tensor == 1 or (num_heads % tensor == 0 and num_kv_heads % tensor == 0):
+        return None
+    return (
+        f"attention: heads not split over mesh.tensor={tensor} (num_heads={num_heads} and "
+        f"num_kv_heads={num_kv_heads} must both be multiples of it): each device of a tensor "
+        "group computes every head"
+    )
+
+
+def activation_constraint(mesh: Mesh | None) -> Callable[[str, Any], Any]:
+    """`constrain(kind, x)`: `with_sharding_constraint` of a batch ("tokens" [B, L]) or logits
+    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp, vocab over tensor), or of
+    a fused attention's operands ("attention": (q, k, v, segment ids or None), laid out by
+    `attention_specs`); the identity without a mesh."""
+
+    def constrain(kind: str, x: Any) -> Any:
         if mesh is None:
             return x
         if kind == "tokens":
             return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.shape[0]))
+        if kind == "attention":
+            return _attention_constraint(mesh, *x)
         sharding = logits_sharding(mesh, x.shape[0], x.shape[-1])
         return jax.lax.with_sharding_constraint(x, sharding)
 
     return constrain
+
+
+def _attention_constraint(mesh: Mesh, q, k, v, segment_ids):
+    heads, rows = attention_specs(mesh, q.shape[0], q.shape[2], k.shape[2])
+    q, k, v = (jax.lax.with_sharding_constraint(a, NamedSharding(mesh, heads)) for a in (q, k, v))
+    if segment_ids is not None:
+        segment_ids = jax.lax.with_sharding_constraint(segment_ids, NamedSharding(mesh, rows))
+    return q, k, v, segment_ids

@@ -30,6 +30,8 @@ class Block(nnx.Module):
         x_BxLxD: jax.Array,
         keys: tuple[jax.Array | None, ...],
         documents: Documents | None = None,
+        constrain=None,
     ) -> jax.Array:
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2], documents)
+        """`constrain`: as in `Llama.__call__` (attention's operands on the run's mesh)."""
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), keys[0:2], documents, constrain)
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), keys[2:])

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 _F32 = jnp.float32
 _MASKED = float(jnp.finfo(jnp.float32).min)
@@ -125,17 +126,24 @@ def _backward(block: int, res, dout_BxLxGxRxK):
     return (dq.astype(qs.dtype), dk.astype(ks.dtype), dv.astype(vs.dtype), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block: int, name: str | None):
     return _forward(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block)[0]
 
 
-def _flash_fwd(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block: int):
+def _flash_fwd(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block: int, name: str | None):
     out, lse = _forward(q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, block)
+    if name is not None:  # what a jax.checkpoint policy keeping `name` saves instead of recomputing
+        out, lse = checkpoint_name(out, name), checkpoint_name(lse, name)
     return out, (q_BxLxGxRxK, k_BxLxGxK, v_BxLxGxK, seg_BxL, out, lse)
 
 
-_flash.defvjp(_flash_fwd, _backward)
+def _flash_bwd(block: int, name: str | None, res, dout):
+    del name
+    return _backward(block, res, dout)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def chunked_attention(
@@ -144,6 +152,7 @@ def chunked_attention(
     v_BxLxGxK: jax.Array,
     segment_ids_BxL: jax.Array | None,
     block: int,
+    residual_name: str | None = None,
 ) -> jax.Array:
     """Causal attention of `attention.naive_attention`, computed in [block x block] tiles.
 
@@ -152,6 +161,8 @@ def chunked_attention(
         k_BxLxGxK, v_BxLxGxK: keys and values (same dtype as q).
         segment_ids_BxL: int document ids (a query sees only keys of its own document), or None.
         block: tile size along the sequence (> 0); L is padded up to a multiple of it.
+        residual_name: `checkpoint_name` of the output and log-sum-exp the backward reads (a
+            remat policy that keeps the name does not recompute the forward), or None.
 
     Returns:
         [B, L, H, K] in q's dtype. Scores, softmax statistics and accumulators are float32; the
@@ -168,5 +179,5 @@ def chunked_attention(
     q = jnp.pad(q_BxLxHxK, widths).reshape(b, l + pad, g, h // g, d)
     k, v = jnp.pad(k_BxLxGxK, widths), jnp.pad(v_BxLxGxK, widths)
     seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
-    out = _flash(q, k, v, seg, block)
+    out = _flash(q, k, v, seg, block, residual_name)
     return out.reshape(b, l + pad, h, d)[:, :l]

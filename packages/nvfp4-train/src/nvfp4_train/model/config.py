@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_ops
-from nvfp4_train.model.attention import ATTENTION_IMPLEMENTATIONS
+from nvfp4_train.model.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
 from nvfp4_train.model.moe_config import MoEConfig, is_moe_layer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -44,15 +44,16 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 AUTO_SCAN_LAYERS = 8
 """`scan_layers: auto` scans models of at least this many blocks."""
 _NAMES = jax.checkpoint_policies.save_only_these_names(nvfp4_ops.RESIDUAL_NAME)
+_KEPT = jax.checkpoint_policies.save_from_both_policies(_NAMES, SAVES_ATTENTION)
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "quantized": _NAMES,
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, _NAMES
+        jax.checkpoint_policies.dots_saveable, _KEPT
     ),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _NAMES
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEPT
     ),
 }
 """`model.remat` -> the `jax.checkpoint` policy of each block (None: no rematerialisation).
@@ -60,7 +61,10 @@ REMAT_POLICIES: dict[str, Any] = {
 full: keep only each block's input, recompute the rest; quantized: also keep the FP4 operands the
 quantized linears saved for their backward pass (`nvfp4_ops.RESIDUAL_NAME`) and recompute
 everything else (norms, attention, BF16 linears); dots / dots_no_batch: keep the outputs of every
-matmul (without batch dimensions) plus those FP4 operands, recompute the elementwise work.
+matmul (without batch dimensions) plus those FP4 operands and what a fused attention's backward
+reads (`attention.SAVES_ATTENTION`: its output and softmax statistics; a custom call or a loop is
+not a dot, so without it the forward of te, cudnn and chunked ran twice), recompute the
+elementwise work.
 """
 
 
@@ -141,15 +145,18 @@ class ModelConfig:
             time, never the numbers.
         attention: how causal attention is computed ("auto", "naive", "xla", "cudnn", "te",
             "chunked"; `nvfp4_train.model.attention`). "auto": on an NVIDIA GPU (bfloat16 / float16)
-            TransformerEngine's fused attention where TE is installed, else cudnn; elsewhere
-            "chunked" from `attention.AUTO_CHUNKED_FROM` tokens, else "naive". A fused kernel
-            is checked against "naive" before a run uses it (`precision.verify_backend`).
+            TransformerEngine's fused attention where TE is installed and the GPU runs it (sm_90+,
+            cuDNN >= 9.6, head_dim % 16 == 0), else cudnn; elsewhere "chunked" from
+            `attention.AUTO_CHUNKED_FROM` tokens, else "naive". A fused kernel is checked
+            against the reference before a run uses it (`precision.verify_backend`); one that
+            fails gives way to the next fused kernel, then to the unfused ones.
             The implementations agree to float32 rounding; a run may resume with another.
         attention_block: "chunked": the tile size along the sequence (tokens; memory grows as
             L x attention_block). Any length works (padded to a multiple of it).
         attention_max_documents: "te": the most documents one packed row may hold (cuDNN gets
-            one sequence slot per document); 0: `train.seq_len` (always enough). Every batch is
-            checked against it; fewer slots are faster.
+            one sequence slot per document; TE's compile time and memory grow with it); 0: the
+            most any row of the run's data holds, counted at start-up (a run without documents:
+            1). Every training and validation batch is checked against it.
         moe: Mixture-of-Experts blocks (`MoEConfig`; `num_experts: 0`, the default, is dense).
 
     Example:

@@ -89,13 +89,14 @@ def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
             module.sow(nnx.Intermediate, name, value, reduce_fn=lambda _, new: new)
 
 
-def _block_fn(graphdef: nnx.GraphDef, policy: Any):
+def _block_fn(graphdef: nnx.GraphDef, policy: Any, constrain=None):
     """`f(params, rest, x, keys, documents) -> (y, sown input amax)`: one block as a pure
-    function, under `jax.checkpoint(policy=policy)` when a policy is given."""
+    function, under `jax.checkpoint(policy=policy)` when a policy is given; `constrain` as in
+    `Llama.__call__`."""
 
     def apply(params, rest, x_BxLxD, keys, documents):
         block = nnx.merge(graphdef, params, rest)
-        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys, documents)
+        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys, documents, constrain)
         return y, nnx.to_pure_dict(sown)
 
     return apply if policy is None else jax.checkpoint(apply, policy=policy)
@@ -175,6 +176,7 @@ class Llama(nnx.Module):
         key: jax.Array | None = None,
         segment_ids_BxL: jax.Array | None = None,
         positions_BxL: jax.Array | None = None,
+        constrain=None,
     ) -> jax.Array:
         """Returns float32 logits [B, L, vocab].
 
@@ -187,6 +189,8 @@ class Llama(nnx.Module):
                 tokens of its own document. None: each row is one document.
             positions_BxL: int RoPE positions (restarting at 0 in each document); None with
                 segment ids: derived from them (`attention.document_positions`).
+            constrain: the run's `constrain(kind, x)` (`mesh.sharding.activation_constraint`),
+                which lays out the fused attention kernels' operands on its mesh; None: none.
         """
         if inputs_BxL.ndim != 2 or inputs_BxL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
@@ -199,10 +203,10 @@ class Llama(nnx.Module):
         for name, start, stop in self.layout.entries:
             block = self.layers[name]
             if stop - start == 1 and policy is None:
-                x_BxLxD = block(x_BxLxD, _layer_keys(key, start), documents)
+                x_BxLxD = block(x_BxLxD, _layer_keys(key, start), documents, constrain)
                 continue
             graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-            apply = _block_fn(graphdef, policy)
+            apply = _block_fn(graphdef, policy, constrain)
             if stop - start == 1:
                 x_BxLxD, sown = apply(params, rest, x_BxLxD, _layer_keys(key, start), documents)
             else:

@@ -216,9 +216,11 @@ class Attention(nnx.Module):
         x_BxLxD: jax.Array,
         keys: tuple[jax.Array | None, jax.Array | None],
         documents: Documents | None = None,
+        constrain=None,
     ):
         """`documents`: (segment ids, positions) [B, L] int: attention stays within a document
-        and RoPE restarts at each one; None: each row is one document."""
+        and RoPE restarts at each one; None: each row is one document. `constrain`: the run's
+        `constrain(kind, x)`, passed to `attention` (None: no constraint)."""
         b, l, _ = x_BxLxD.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x_BxLxD, keys[0])
@@ -235,7 +237,7 @@ class Attention(nnx.Module):
         out_BxLxHxK = attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
             implementation=self.implementation, block=self.block,
-            max_documents=self.max_documents,
+            max_documents=self.max_documents, constrain=constrain,
         )  # fmt: skip
         return self.o(out_BxLxHxK.reshape(b, l, nh * hd), keys[1])
 

@@ -107,7 +107,7 @@ def capture_linear_operands(
         model = _capturing_model(graphdef, params)
         forward = nnx.capture(model, LinearOperand, nnx.Perturbation, init=perturbations)
         inputs_BxL = constrain("tokens", batch["inputs"])
-        logits_BxLxV, operands, _ = forward(inputs_BxL, key=key, **documents)
+        logits_BxLxV, operands, _ = forward(inputs_BxL, key=key, constrain=constrain, **documents)
         logits_BxLxV = constrain("logits", logits_BxLxV)
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
         return losses_BxL.mean(), operands

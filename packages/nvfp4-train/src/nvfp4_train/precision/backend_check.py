@@ -11,8 +11,9 @@ inside the model then uses exactly the backends that passed; with "off", "auto" 
 explicit order (nvfp4_ops gives an unverified backend nothing under "auto").
 On CPU with "auto" there is nothing to check (only "emulated" runs), and it costs nothing.
 
-`te_context(backend, mesh, ...)` is what a sharded run wraps its steps in when it may run TE: TE's
-`MeshResource` built from the run's mesh axes (`nvfp4_ops.te_sharding`).
+`te_context(backend, mesh, ..., attention=...)` is what a sharded run wraps its steps in when it may
+run TE (GEMMs or fused attention): TE's `MeshResource` built from the run's mesh axes
+(`nvfp4_ops.te_sharding`).
 """
 
 from __future__ import annotations
@@ -134,18 +135,24 @@ def backend_line(backend: str, dropped: dict[str, str] | None = None) -> str:
 
 
 def te_context(
-    backend: str, mesh: Any, *, data: str, fsdp: str
+    backend: str, mesh: Any, *, data: str, fsdp: str, attention: str = ""
 ) -> contextlib.AbstractContextManager:
-    """The context a run's steps are traced and compiled in: `nvfp4_ops.te_sharding` over `mesh`
-    (TE's `MeshResource` from the run's mesh axes) when `backend` may run TE there on several
-    devices, else nothing.
+    """The context a run's steps (and the attention check) are traced and compiled in:
+    `nvfp4_ops.te_sharding` over `mesh` (TE's `MeshResource` from the run's mesh axes, and the
+    mesh itself) when the run may call TE on several devices, its GEMMs (`backend`) or its fused
+    attention (`attention` "te": without it TE partitions attention for a context-parallel axis
+    named "" and fails to compile), else nothing.
 
     Args:
       backend: the `precision.backend` value the run uses (after `trusted_backend`).
       mesh: the run's `jax.sharding.Mesh`.
       data, fsdp: the names of its data-parallel and FSDP axes.
+      attention: the attention implementation the run uses (resolved, e.g. "te").
     """
-    order = _order(backend_spec(backend))
-    if "te" not in order or mesh.size == 1 or not nvfp4_ops.backend_capability("te")[0]:
+    if mesh.size == 1:
         return contextlib.nullcontext()
+    if attention != "te":
+        order = _order(backend_spec(backend))
+        if "te" not in order or not nvfp4_ops.backend_capability("te")[0]:
+            return contextlib.nullcontext()
     return nvfp4_ops.te_sharding(mesh, data=data, fsdp=fsdp)

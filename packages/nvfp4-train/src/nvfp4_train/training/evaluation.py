@@ -12,7 +12,8 @@ import jax
 from nvfp4_ops import get_recipe
 from nvfp4_train.checkpoint.run_dir import CHECKPOINT_DIR, METRICS_FILE
 from nvfp4_train.config.run_config import Config
-from nvfp4_train.errors import ConfigError
+from nvfp4_train.errors import ConfigError, RunError
+from nvfp4_train.model.attention import document_bound, too_many_documents
 from nvfp4_train.observe.metrics import MetricsFile, format_row
 from nvfp4_train.precision.policy import export_recipe_names, layer_recipes, precision_phases
 from nvfp4_train.precision.schedule import phase_index
@@ -25,6 +26,7 @@ from nvfp4_train.training.session import (
     with_data,
 )
 from nvfp4_train.training.step import make_eval_step, model_graphdef, model_spec
+from nvfp4_train.training.trusted import with_document_bound
 from nvfp4_train.training.validation import eval_batches, evaluate
 
 EVAL_FORWARDS = ("run", "quantized", "bf16")
@@ -82,9 +84,15 @@ def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[
     if not (run_dir / CHECKPOINT_DIR).is_dir():
         raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
     cfg, datasets = with_data(cfg)
+    cfg = with_document_bound(cfg, datasets, sayer(stream))
     batches = eval_batches(cfg, datasets)
     if not batches:
         raise ConfigError(f"{str(run_dir)!r}: the config holds out no validation data")
+    bound = document_bound(cfg, jax.default_backend())
+    for i, batch in enumerate(batches if bound and "segment_ids" in batches[0] else ()):
+        problem = too_many_documents(batch["segment_ids"], bound, f"validation batch {i}")
+        if problem:  # te would give those tokens output 0: a wrong loss, silently
+            raise RunError(problem)
     with run_checkpoints(cfg, run_dir) as ckpts:
         latest = ckpts.latest_step()
         if latest is None:

@@ -76,10 +76,12 @@ class TrainingLoop:
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         self.phases = CompiledPhases(cfg, graphdef, mesh, state_sh, say)
         self.schedule = self.phases.schedule
-        self.val_batches = [
-            global_batch(b, self.phases.batch_sh) for b in eval_batches(cfg, datasets)
-        ]
         self.max_documents = document_bound(cfg, jax.default_backend())
+        host_batches = eval_batches(cfg, datasets)
+        if self.max_documents:  # validation reaches te as training does
+            for i, batch in enumerate(host_batches):
+                self._check_documents(batch, f"validation batch {i}")
+        self.val_batches = [global_batch(b, self.phases.batch_sh) for b in host_batches]
         self.writer = CheckpointWriter(cfg, ckpts, self.phases, reference_tokens(cfg, datasets))
         self.watch = Watch(cfg, ckpts)
         quantized = any(r.quantized for p in self.schedule for r in p.recipes.values())
@@ -113,11 +115,16 @@ class TrainingLoop:
             RunError: a row holds more documents than the bound.
         """
         host = next(iterator)
-        if self.max_documents and "segment_ids" in host:
-            problem = too_many_documents(np.asarray(host["segment_ids"]), self.max_documents)
+        if self.max_documents:
+            self._check_documents(host, "a batch")
+        return global_batch(host, self.phases.batch_sh)
+
+    def _check_documents(self, host: dict[str, np.ndarray], batch: str) -> None:
+        """Raises RunError if a row of `host` holds more documents than the run's te bound."""
+        if "segment_ids" in host:
+            problem = too_many_documents(np.asarray(host["segment_ids"]), self.max_documents, batch)
             if problem:
                 raise RunError(problem)
-        return global_batch(host, self.phases.batch_sh)
 
     def _due(self, step: int) -> Due:
         cfg = self.cfg

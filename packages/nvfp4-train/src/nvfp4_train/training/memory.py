@@ -8,9 +8,11 @@ Activations are an analytic estimate per token of the microbatch one device runs
     full           the block inputs:                            d*c
     quantized      + the FP4 operands of the quantized linears:  (2d + q + f) * 9/16
     dots_no_batch  + the outputs of the linears:                 (q + 2kv + 2d + 2f) * c
-    dots           + the attention matmuls' outputs:             q*c + H*L*4   (fused: q*c + H*4)
+                   + fused attention's output and statistics:    q*c + H*4     (fused only)
+    dots           + the attention matmuls' outputs:             q*c + H*L*4   (unfused only)
     none           + softmax, RoPE, SwiGLU intermediates:        H*L*(4 + c) + (q + kv + 3f + 2d) * c
-                                                                 (fused: no H*L*(4 + c))
+                                                                 (fused: no H*L*(4 + c); cudnn
+                                                                 with a dense mask: + L*c)
 
 per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
 L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
@@ -23,9 +25,14 @@ Attention (`model.attention`, resolved as on an NVIDIA GPU unless another implem
 for) decides the L-dependent terms: `naive` and `xla` materialise the scores, so the rows above
 keep H*L floats per token and one block's scores and probabilities ([H, L, L] in float32 and the
 compute dtype per sequence) exist at a time; fused attention (`cudnn`, and `chunked`, which is
-fused in JAX) keeps the float32 log-sum-exp of each row instead, and holds one [block x block]
-tile per head (`chunked`) or nothing beyond the kernel's workspace (`cudnn`). The largest
-transient is that or the float32 logits and their gradient, whichever is larger.
+fused in JAX) keeps the float32 log-sum-exp of each row instead (under the dots policies too:
+`attention.SAVES_ATTENTION`), and holds one [block x block] tile per head (`chunked`) or nothing
+beyond the kernel's workspace (`te`, `cudnn`). Except `cudnn` with document masks on jax <= 0.10.2
+(`attention.cudnn_mask_is_dense`, assumed unless `data.document_mask` is false): jax hands cuDNN
+the mask as a dense [B, 1, L, L] bias in the compute dtype, keeps it for the backward without
+remat (L*c per token), and the backward writes its [B, 1, L, L] gradient, so one block holds the
+boolean mask, the bias and its gradient, L*L*(1 + 2c) per sequence. The largest transient is
+that or the float32 logits and their gradient, whichever is larger.
 XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
 `benchmarks/bench_compile.py` reports what the compiled step allocates.
 
@@ -46,7 +53,7 @@ from jax.sharding import AbstractMesh
 
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, tree_shardings
-from nvfp4_train.model.attention import run_attention
+from nvfp4_train.model.attention import cudnn_mask_is_dense, run_attention
 from nvfp4_train.precision.policy import precision_phases
 from nvfp4_train.training.resume import abstract_state
 
@@ -73,6 +80,8 @@ class MemoryEstimate:
     gradients: int
     activations: int
     transient: int
+    dense_mask: bool = False
+    """`cudnn` holds a dense [L, L] document mask (see the module doc)."""
 
     @property
     def total(self) -> int:
@@ -106,14 +115,25 @@ def _saved_per_token(cfg, quantized: bool, attention: str) -> float:
     if m.remat == "quantized":
         return saved
     saved += (q + 2 * kv + 2 * d + 2 * f) * c
+    fused = attention in FUSED
+    if fused:  # its output and float32 statistics (`attention.SAVES_ATTENTION`), no scores
+        saved += q * c + heads * 4
     if m.remat == "dots_no_batch":
         return saved
-    fused = attention in FUSED
-    saved += q * c + heads * (4 if fused else length * 4)
+    if not fused:  # QK^T (float32) and PV have batch dimensions: only "dots" keeps them
+        saved += q * c + heads * length * 4
     if m.remat == "dots":
         return saved
     probabilities = 0 if fused else heads * length * (4 + c)
-    return saved + probabilities + (q + kv + 3 * f + 2 * d) * c
+    dense_mask = length * c if _dense_cudnn_mask(cfg, attention) else 0
+    return saved + probabilities + dense_mask + (q + kv + 3 * f + 2 * d) * c
+
+
+def _dense_cudnn_mask(cfg, attention: str) -> bool:
+    """Whether `attention` holds an [L, L] document mask per sequence (`cudnn` with masks on a jax
+    that turns them into a dense bias)."""
+    masked = cfg.data.document_mask is not False
+    return attention == "cudnn" and masked and cudnn_mask_is_dense()
 
 
 def gpu_attention(cfg) -> str:
@@ -125,6 +145,8 @@ def _attention_transient(cfg, sequences: int, attention: str) -> int:
     """Bytes of the attention intermediates one block holds at a time (see the module doc)."""
     m, length = cfg.model, cfg.train.seq_len
     c = jnp.dtype(m.compute_dtype).itemsize
+    if _dense_cudnn_mask(cfg, attention):  # the boolean mask, the bias and its gradient
+        return sequences * length * length * (1 + 2 * c)
     if attention in ("cudnn", "te"):
         return 0
     side = min(m.attention_block, length) if attention == "chunked" else length  # tile or [L, L]
@@ -179,6 +201,7 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
         estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
         peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
         transient=max(_attention_transient(cfg, sequences, attention), logits),
+        dense_mask=_dense_cudnn_mask(cfg, attention),
     )  # fmt: skip
 
 
@@ -191,6 +214,12 @@ _TRANSIENT = {
 }
 
 
+def _transient_name(estimate: MemoryEstimate) -> str:
+    if estimate.attention == "cudnn" and estimate.dense_mask:
+        return "cudnn's dense document mask and its gradient"
+    return _TRANSIENT[estimate.attention]
+
+
 def format_estimate(estimate: MemoryEstimate) -> str:
     """The estimate as YAML comment lines (so `show-config --memory` output stays YAML)."""
     mesh = " ".join(f"{k}={v}" for k, v in estimate.mesh.items())
@@ -201,7 +230,7 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         ("gradients (float32)", estimate.gradients),
         (f"activations kept for backward (remat: {estimate.remat}{phase}, estimate)",
          estimate.activations),
-        (f"largest transient: {_TRANSIENT[estimate.attention]} or the logits", estimate.transient),
+        (f"largest transient: {_transient_name(estimate)} or the logits", estimate.transient),
     ]  # fmt: skip
     lines = [
         f"# memory per device on {estimate.devices} devices (mesh {mesh}; "

@@ -24,14 +24,13 @@ import jax
 from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, run_directory
 from nvfp4_train.config.loader import to_yaml
 from nvfp4_train.config.run_config import Config
-from nvfp4_train.mesh.sharding import bytes_per_device, make_mesh
-from nvfp4_train.precision.backend_check import te_context
+from nvfp4_train.mesh.sharding import attention_heads_note, bytes_per_device, make_mesh
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
 from nvfp4_train.training.session import exclusive, run_checkpoints, sayer, with_data
 from nvfp4_train.training.step import count_params
 from nvfp4_train.training.stop import stop_requests
-from nvfp4_train.training.trusted import with_trusted_backend
+from nvfp4_train.training.trusted import run_context, with_document_bound, with_trusted_backend
 
 
 def _memory_line(mesh: Any, state: Any) -> str:
@@ -68,11 +67,14 @@ def _run(cfg: Config, datasets: Any, mesh: Any, run_dir: Path, stream: TextIO) -
     """`run` inside the run directory's lock."""
     say = sayer(stream)
     iterator = datasets.train_iterator()
-    written = cfg  # config.yaml keeps precision.backend as configured
+    written = cfg  # config.yaml keeps precision.backend and the document bound as configured
     say(f"run directory: {run_dir.resolve()}")
-    cfg = with_trusted_backend(cfg, say)
-    te_mesh = te_context(cfg.precision.backend, mesh, data="data", fsdp="fsdp")
-    with te_mesh, run_checkpoints(cfg, run_dir) as ckpts:
+    cfg = with_document_bound(cfg, datasets, say)
+    cfg = with_trusted_backend(cfg, say, mesh)
+    note = attention_heads_note(dict(mesh.shape), cfg.model.num_heads, cfg.model.num_kv_heads)
+    if note:
+        say(note)
+    with run_context(cfg, mesh), run_checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
             cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say, mesh
         )

@@ -173,15 +173,18 @@ class ForwardStats(NamedTuple):
 
 
 def forward_with_stats(
-    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
-) -> tuple[jax.Array, ForwardStats]:
+    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None,
+    constrain=None,
+) -> tuple[jax.Array, ForwardStats]:  # fmt: skip
     """(float32 logits [B, L, vocab], `ForwardStats`). `documents`: None, or (segment ids,
-    positions) [B, L] of packed documents (`Llama.__call__`)."""
+    positions) [B, L] of packed documents; `constrain`: the run's activation constraint
+    (`Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
     segment_ids, positions = (None, None) if documents is None else documents
     logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(
-        inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions
-    )
+        inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions,
+        constrain=constrain,
+    )  # fmt: skip
     amax, moe = split_sown(nnx.to_pure_dict(intermediates))
     layout = model.layout
     return logits_BxLxV, ForwardStats(layout.to_canonical(amax), moe, layout.to_canonical(moe))
@@ -224,7 +227,9 @@ def _loss_sum(
     statistics (the linears' input amax, the MoE blocks' routing)."""
     inputs_BxL = constrain("tokens", batch["inputs"])
     documents = batch_documents(batch, constrain)
-    logits_BxLxV, stats = forward_with_stats(graphdef, params, inputs_BxL, key, documents)
+    logits_BxLxV, stats = forward_with_stats(
+        graphdef, params, inputs_BxL, key, documents, constrain
+    )
     logits_BxLxV = constrain("logits", logits_BxLxV)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
     return losses_BxL.sum(), losses_BxL.size, stats
