@@ -7,8 +7,8 @@ and no block may take rows of two groups, so every group is padded with zero row
 of the alignment a (`Recipe.alignment`: 16, or 32 for MXFP4), as the dense call pads one group.
 The padded rows are cut into tiles of a rows: group e holds tiles tile_starts[e] ..
 tile_starts[e] + tile_counts[e] of a buffer of `GroupShape.tiles` tiles. Since
-sum_e ceil(g_e / a) a <= T + E (a - 1), that static buffer (ceil((T + E (a - 1)) / a) tiles)
-holds any traced `group_sizes`: at most E (a - 1) + a - 1 rows more than x, never E x T.
+sum_e ceil(g_e / a) a <= T + E (a - 1), that static buffer (floor((T + E (a - 1)) / a) tiles)
+holds any traced `group_sizes`: at most E (a - 1) rows more than x, never E x T.
 
 Every array here is traced (group_sizes is a runtime value inside `jax.jit`); only `GroupShape`
 (T, E, a) is static.
@@ -17,7 +17,6 @@ Every array here is traced (group_sizes is a runtime value inside `jax.jit`); on
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +32,10 @@ class GroupShape:
 
     @property
     def tiles(self) -> int:
-        """Tiles of the padded buffer: ceil((T + E (a - 1)) / a), enough for any group sizes."""
+        """Tiles of the padded buffer: floor((T + E (a - 1)) / a), enough for any group sizes
+        (sum_e ceil(g_e / a) is an integer <= (T + E (a - 1)) / a when sum_e g_e <= T)."""
         a = self.alignment
-        return -(-(self.tokens + self.groups * (a - 1)) // a)
+        return max(1, (self.tokens + self.groups * (a - 1)) // a)
 
     @property
     def rows(self) -> int:
@@ -44,15 +44,31 @@ class GroupShape:
 
     @property
     def window_tiles(self) -> tuple[int, ...]:
-        """The static window lengths (in tiles) a group is computed in (`windows.over_groups`):
-        1, 2, 3, 4, 6, 8, 12, 16, 23, ... (powers of two and ceil(sqrt(2) 2^k)), and `tiles`.
-        A group of t tiles gets the smallest window >= t: at most ~1.42x its tiles."""
-        sizes, k = {self.tiles}, 0
-        while 2**k < self.tiles:
-            sizes.add(2**k)
-            sizes.add(math.isqrt(2 * 4**k) + 1)  # ceil(sqrt(2) 2^k): sqrt(2 4^k) is irrational
-            k += 1
-        return tuple(sorted(s for s in sizes if s <= self.tiles))
+        """The static window lengths (in tiles) a group's Wgrad is computed in
+        (`gemm.wgrad_windows`): ceil(2^(j/4)) for j = 0, 1, ... (1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
+        14, 16, 20, 23, 27, 32, ...) below `tiles`, and `tiles`. A group of t tiles gets the
+        smallest window >= t: at most 2^(1/4) ~ 1.19x its tiles once t > 8, exact up to 8."""
+        sizes, j = {self.tiles}, 0
+        while (size := _ceil_root4(2**j)) < self.tiles:
+            sizes.add(size)
+            j += 1
+        return tuple(sorted(sizes))
+
+    @property
+    def piece_tiles(self) -> tuple[int, ...]:
+        """The static lengths (powers of two, in tiles) a group's rows are computed in
+        (`gemm.row_pieces`): a group of t tiles is t's binary digits, no row more."""
+        return tuple(2**k for k in range(self.tiles.bit_length()) if 2**k <= self.tiles)
+
+
+def _ceil_root4(n: int) -> int:
+    """ceil(n^(1/4)) for an integer n >= 1, exactly."""
+    m = max(1, round(n**0.25))
+    while m**4 < n:
+        m += 1
+    while m > 1 and (m - 1) ** 4 >= n:
+        m -= 1
+    return m
 
 
 @jax.tree_util.register_dataclass
