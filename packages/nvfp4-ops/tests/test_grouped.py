@@ -22,6 +22,7 @@ from nvfp4_ops import backends
 from nvfp4_ops.backends import Call, select_backend, unsupported
 from nvfp4_ops.grouped.gemm import emulated_rows, emulated_wgrad
 from nvfp4_ops.grouped.layout import GroupShape, from_tiles, group_layout, to_tiles
+from nvfp4_ops.recipe import as_recipe
 from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED
 
 F32 = jnp.float32
@@ -94,11 +95,16 @@ def assert_bitwise_equal(got, want, what: str) -> None:
         assert differ == 0, f"{what}: {name} differs from the dense loop in {differ} elements"
 
 
-def _key(recipe: str):
-    return KEY if nvfp4_ops.get_recipe(recipe).needs_key else None
+def _key(recipe):
+    return KEY if as_recipe(recipe).needs_key else None
 
 
-@pytest.mark.parametrize("recipe", list(nvfp4_ops.RECIPES))
+LATE_SWITCH = nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop()  # the trainer's late BF16 Fprop
+
+
+@pytest.mark.parametrize(
+    "recipe", [*nvfp4_ops.RECIPES, LATE_SWITCH], ids=lambda r: getattr(r, "name", r)
+)
 def test_grouped_equals_the_dense_loop_bit_for_bit(recipe):
     key = _key(recipe)
     got = grouped_step(recipe)(X, W, jnp.array(SIZES, jnp.int32), key, DY)
