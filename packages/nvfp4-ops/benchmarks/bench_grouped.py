@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -30,7 +31,7 @@ import numpy as np
 import nvfp4_ops
 
 MATMUL = (((1,), (0,)), ((), ()))
-SHAPES = ((2048, 256, 256, 8), (2048, 512, 512, 8), (4096, 256, 256, 32))
+SHAPES = ((2048, 256, 256, 8), (8192, 256, 256, 8), (4096, 256, 256, 32))
 """(T, K, N, E). T counts routed rows (top-2 of T/2 tokens)."""
 RECIPES = ("nvfp4", "bf16")
 
@@ -152,7 +153,7 @@ def main() -> None:
     p.add_argument("--json", default="docs/benchmarks/grouped_gemm.json")
     args = p.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    rows = []
+    rows, load_before = [], os.getloadavg()
     for shape in shapes:
         for recipe in RECIPES:
             rows.append(bench(shape, recipe, args.repeats, args.backend))
@@ -163,6 +164,8 @@ def main() -> None:
         "jax": jax.__version__,
         "device": str(jax.devices()[0].device_kind),
         "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15_before_after": [list(load_before), list(os.getloadavg())],
         "rows": rows,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,11 @@ of the padded buffer, one loop per length (no data-dependent shapes):
 - rows: each group's tiles in power-of-two pieces (`row_pieces`): every row computed once
   (`rows_by_group`; unpadded groups, alignment 1, go in one window each as Wgrad does);
 - Wgrad: each group in ONE window from its first tile (`wgrad_windows`), the shortest of
-  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles), zeros after it.
+  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles; 16-row steps for
+  unpadded groups), zeros after it.
 The result is the dense calls' bit for bit as long as XLA's FP32 dot gives (i) each output row
-independently of the other rows and of how many there are, and (ii) the same sum when zeros are
-appended to the contraction (not prepended: the window starts at the group). Both hold for
+independently of the other rows and of how many there are (two or more: one row is a
+matrix-vector product), and (ii) the same sum when zeros are appended to the contraction (not prepended: the window starts at the group). Both hold for
 XLA:CPU (checked bit for bit against the dense calls in tests/test_grouped.py); elsewhere (GPU
 libraries choose kernels by shape) they are assumed, untested, and a failure would change the
 FP32 summation order only. Cost: the rows' GEMMs are exactly the groups' rows, Wgrad at most

@@ -47,12 +47,16 @@ class GroupShape:
         """The static window lengths (in tiles) a group's Wgrad is computed in
         (`gemm.wgrad_windows`): ceil(2^(j/4)) for j = 0, 1, ... (1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
         14, 16, 20, 23, 27, 32, ...) below `tiles`, and `tiles`. A group of t tiles gets the
-        smallest window >= t: at most 2^(1/4) ~ 1.19x its tiles once t > 8, exact up to 8."""
-        sizes, j = {self.tiles}, 0
-        while (size := _ceil_root4(2**j)) < self.tiles:
+        smallest window >= t: at most 2^(1/4) ~ 1.19x its tiles once t > 8, exact up to 8.
+        Unpadded groups (alignment 1: a tile is a row) use those lengths times 16 rows, and one
+        row (a one-row group must stay a one-row product): fewer static loops to compile."""
+        step = 16 if self.alignment == 1 else 1
+        span = -(-self.tiles // step)
+        sizes, j = {span}, 0
+        while (size := _ceil_root4(2**j)) < span:
             sizes.add(size)
             j += 1
-        return tuple(sorted(sizes))
+        return tuple(sorted({min(s * step, self.tiles) for s in sizes} | {1}))
 
     @property
     def piece_tiles(self) -> tuple[int, ...]:
