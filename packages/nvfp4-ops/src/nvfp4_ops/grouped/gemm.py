@@ -10,13 +10,14 @@ Two shapes of grouped GEMM (operands float32, as the dense GEMMs decode them):
 runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last axes), in static-length pieces
 of the padded buffer, one loop per length (no data-dependent shapes):
 - rows: each group's tiles in power-of-two pieces (`row_pieces`): every row computed once
-  (`rows_by_group`; unpadded groups, alignment 1, go in one window each as Wgrad does);
+  (`rows_by_group`; a one-row group of an alignment-1 recipe once more as a one-row product);
 - Wgrad: each group in ONE window from its first tile (`wgrad_windows`), the shortest of
-  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles; 16-row steps for
-  unpadded groups), zeros after it.
+  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles), zeros after it.
 The result is the dense calls' bit for bit as long as XLA's FP32 dot gives (i) each output row
 independently of the other rows and of how many there are (two or more: one row is a
-matrix-vector product), and (ii) the same sum when zeros are appended to the contraction (not prepended: the window starts at the group). Both hold for
+matrix-vector product), and (ii) the same sum when zeros are appended to the contraction (not
+prepended: the window starts at the group; for a one-row group of an FP8 or "bf16" recipe, from
+1 to 16 terms). Both hold for
 XLA:CPU (checked bit for bit against the dense calls in tests/test_grouped.py); elsewhere (GPU
 libraries choose kernels by shape) they are assumed, untested, and a failure would change the
 FP32 summation order only. Cost: the rows' GEMMs are exactly the groups' rows, Wgrad at most
@@ -113,14 +114,13 @@ def rows_by_group(
     """Out tiles whose rows of group e are `product(rows [L, C], e)` [L, Q]; `out_tile` = (shape
     of one out tile, dtype); zeros past the groups.
 
-    The rows go in power-of-two pieces of each group (`row_pieces`: every row once). With an
-    alignment of 1 (unpadded groups: FP8, "bf16") a piece could be one row, which XLA computes
-    as a matrix-vector product whose sums differ from a row of a larger dot; there each group
-    goes in one window instead (`wgrad_windows`), one row exactly when the group (and its dense
-    call) has one row.
+    The rows go in power-of-two pieces of each group (`row_pieces`: every row once, at least 16
+    rows a piece). XLA computes a one-row dot as a matrix-vector product whose sums may differ
+    from a row of a larger dot, so where a one-row group is a one-row product in its dense call
+    (`GroupShape.one_row_groups`) its row is computed once more on its own.
     """
     shape, dtype = out_tile
-    a = layout.shape.alignment
+    a = layout.shape.tile_rows
 
     def piece(window: Window, e, out):
         rows = jax.lax.dynamic_slice_in_dim(lhs_tiles, window.first, window.tiles, axis=0)
@@ -128,18 +128,17 @@ def rows_by_group(
         value = product(rows, e).reshape(window.tiles, *shape).astype(dtype)
         return jax.lax.dynamic_update_slice_in_dim(out, value, window.first, axis=0)
 
-    def whole(window: Window, e, out):
-        rows = window.take(lhs_tiles)
-        rows = rows.reshape(window.tiles * a, *rows.shape[2:])
-        value = product(rows, e).reshape(window.tiles, *shape).astype(dtype)
-        i = jnp.arange(window.tiles, dtype=jnp.int32)
-        index = jnp.where(i < window.count, window.first + i, out.shape[0])  # past n: dropped
-        return out.at[index].set(value, mode="drop")
+    def one_row(e, out):
+        first = layout.tile_starts[e]
+        row = jax.lax.dynamic_slice_in_dim(lhs_tiles, first, 1, axis=0)[0, :1]
+        value = product(row, e).astype(dtype)  # [1, Q]
+        tile = jax.lax.dynamic_index_in_dim(out, first, keepdims=False).at[:1].set(value)
+        return jax.lax.dynamic_update_index_in_dim(out, tile, first, 0)
 
-    init = jnp.zeros((layout.shape.tiles, *shape), dtype)
-    if a == 1:
-        return wgrad_windows(layout, whole, init)
-    return row_pieces(layout, piece, init)
+    out = row_pieces(layout, piece, jnp.zeros((layout.shape.tiles, *shape), dtype))
+    if layout.shape.one_row_groups:
+        out = _each(layout.sizes == 1, one_row, out)
+    return out
 
 
 def tokens_last(tiles: jax.Array) -> jax.Array:
@@ -174,7 +173,7 @@ def _fp32_last(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def emulated_rows(lhs_tiles: jax.Array, rhs: jax.Array, layout: GroupLayout) -> jax.Array:
     """Fprop / Dgrad: lhs tiles [tiles, a, C] . rhs[e] [Q, C] per group -> [tiles, a, Q]."""
-    a, q = layout.shape.alignment, rhs.shape[1]
+    a, q = layout.shape.tile_rows, rhs.shape[1]
 
     def product(rows, e):
         return _fp32_last(rows[None], _index(rhs, e)[None])[0]

@@ -81,7 +81,7 @@ def token_uniform(
     data = jax.random.key_data(keys)  # [E, 2] uint32
     data = jnp.concatenate([data, jnp.zeros((1, 2), jnp.uint32)])  # tiles past the last group
     tile_key = jnp.take(data, layout.tile_group, axis=0)[:, None, None, :]  # [tiles, 1, 1, 2]
-    a = layout.shape.alignment
+    a = layout.shape.tile_rows
     offset, padded = (v.astype(jnp.uint32)[:, None, None] for v in tile_positions(layout))
     i, j = (jax.lax.broadcasted_iota(jnp.uint32, (n, rows, cols // 4), d) for d in (1, 2))
     if tokens_last:  # element (r, m): word (r Mp + m) / 4 with m = offset a + 4 j + byte
