@@ -3,10 +3,11 @@
 The claim: for every preset, `ragged_dot(x, w, group_sizes, key=key)` equals, forward and both
 gradients, the dense calls `dot_general(x_g, w[e], key=fold_in(key, e))` on each group's rows
 (the dense call pads each group to the alignment itself), with zero rows past sum(group_sizes).
-The groups: uneven, an empty one, one of a single row, 7 padding rows; and (one preset, sizes
-traced) one of 5 tiles computed in a 6-tile window that reaches into the next group
-(`grouped.gemm.over_groups`). Shapes are the smallest that show each claim; each preset
-compiles one grouped and one dense function.
+The groups: uneven, an empty one, one of a single row, 7 padding rows; group_sizes is traced
+(one compiled function serves other sizes). The GEMM machinery is checked on its own where it
+needs more rows: a group of 9 tiles computed in pieces of 8 + 1 tiles (Fprop, Dgrad) and in a
+10-tile window reaching into the next group (Wgrad). Shapes are the smallest that show each
+claim; each preset compiles one grouped and one dense function.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import pytest
 import nvfp4_ops
 from nvfp4_ops import backends
 from nvfp4_ops.backends import Call, select_backend, unsupported
-from nvfp4_ops.grouped.layout import GroupShape
+from nvfp4_ops.grouped.gemm import emulated_rows, emulated_wgrad
+from nvfp4_ops.grouped.layout import GroupShape, from_tiles, group_layout, to_tiles
+from nvfp4_ops.recipe import as_recipe
 from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED
 
 F32 = jnp.float32
 T, K, N = 48, 32, 32
 SIZES = (23, 0, 1, 17)  # uneven, empty, one row; sum 41: 7 rows of padding
 E = len(SIZES)
-LONG_T = 96  # the traced-sizes test: 70 rows = 5 tiles of 16, computed in a 6-tile window
-LONG_SIZES = ((70, 0, 1, 17), (0, 33, 48, 2))  # one compiled function for both
+OTHER_SIZES = (0, 30, 16, 1)  # sum 47: one padding row
 MATMUL = (((1,), (0,)), ((), ()))
 
 
@@ -93,11 +95,16 @@ def assert_bitwise_equal(got, want, what: str) -> None:
         assert differ == 0, f"{what}: {name} differs from the dense loop in {differ} elements"
 
 
-def _key(recipe: str):
-    return KEY if nvfp4_ops.get_recipe(recipe).needs_key else None
+def _key(recipe):
+    return KEY if as_recipe(recipe).needs_key else None
 
 
-@pytest.mark.parametrize("recipe", list(nvfp4_ops.RECIPES))
+LATE_SWITCH = nvfp4_ops.get_recipe("nvfp4").with_bf16_fprop()  # the trainer's late BF16 Fprop
+
+
+@pytest.mark.parametrize(
+    "recipe", [*nvfp4_ops.RECIPES, LATE_SWITCH], ids=lambda r: getattr(r, "name", r)
+)
 def test_grouped_equals_the_dense_loop_bit_for_bit(recipe):
     key = _key(recipe)
     got = grouped_step(recipe)(X, W, jnp.array(SIZES, jnp.int32), key, DY)
@@ -110,17 +117,49 @@ def test_grouped_equals_the_dense_loop_bit_for_bit(recipe):
     assert np.all(y[:used].any(axis=1)) and dx[:used].any() and dw[3].any()  # nothing vacuous
 
 
-def test_group_sizes_are_traced_and_the_key_is_split_with_fold_in():
-    x, w, dy, key = _operands(LONG_T, seed=1)
-    step = grouped_step("nvfp4")
-    for sizes in LONG_SIZES:  # one compiled function for both
-        got = step(x, w, jnp.array(sizes, jnp.int32), key, dy)
-        assert_bitwise_equal(got, dense_loop("nvfp4", sizes)(x, w, key, dy), f"sizes {sizes}")
+def test_group_sizes_are_traced_and_stochastic_rounding_uses_the_key():
+    step = grouped_step("nvfp4")  # the preset test's program (compiled once per process)
+    for sizes in (SIZES, OTHER_SIZES):
+        got = step(X, W, jnp.array(sizes, jnp.int32), KEY, DY)
+        assert_bitwise_equal(got, dense_loop("nvfp4", sizes)(X, W, KEY, DY), f"sizes {sizes}")
     assert step._cache_size() == 1
-    # the documented split matters: another per-group key gives other stochastic roundings
-    shifted = lambda k, e: jax.random.fold_in(k, e + 1)  # noqa: E731
-    _, dx, dw = dense_loop("nvfp4", LONG_SIZES[-1], fold=shifted)(x, w, key, dy)
+    _, dx, dw = step(X, W, jnp.array(OTHER_SIZES, jnp.int32), jax.random.key(7), DY)
     assert np.any(_bits(got[1]) != _bits(dx)) and np.any(_bits(got[2]) != _bits(dw))
+
+
+def test_the_gemm_pieces_and_windows_are_the_dense_gemm_bit_for_bit():
+    # Decoded operands straight into the emulated grouped GEMMs: group 0 has 9 tiles (pieces
+    # 8 + 1; a Wgrad window of 10 tiles whose last one is group 2's, masked), group 1 is empty.
+    shape = GroupShape(208, 4, 16)
+    assert 10 in shape.window_tiles and 9 not in shape.window_tiles
+    sizes = jnp.array([140, 0, 5, 40], jnp.int32)
+    ka, kb, kc = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(ka, (208, 32), F32)
+    dy = jax.random.normal(kb, (208, 16), F32)
+    w_t = jax.random.normal(kc, (4, 16, 32), F32)  # per group [Q, C]
+
+    @jax.jit
+    def grouped(x, dy, w_t, sizes):
+        layout = group_layout(sizes, shape)
+        x_tiles, dy_tiles = to_tiles(x, layout), to_tiles(dy, layout)
+        y = from_tiles(emulated_rows(x_tiles, w_t, layout), layout)
+        return y, emulated_wgrad(jnp.swapaxes(x_tiles, 1, 2), jnp.swapaxes(dy_tiles, 1, 2), layout)
+
+    y, dw = grouped(x, dy, w_t, sizes)
+    last = (((2,), (2,)), ((0,), (0,)))
+    dense = jax.jit(lambda a, b: jax.lax.dot_general(
+        a[None], b[None], last, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=F32,
+    )[0])  # fmt: skip
+    start = 0
+    for e, g in enumerate(np.asarray(sizes)):
+        padded = -(-int(g) // 16) * 16
+        xg = jnp.pad(x[start : start + g], ((0, padded - g), (0, 0)))
+        dyg = jnp.pad(dy[start : start + g], ((0, padded - g), (0, 0)))
+        want_y, want_dw = dense(xg, w_t[e]), dense(xg.T, dyg.T)
+        assert np.array_equal(_bits(y[start : start + g]), _bits(want_y[:g])), e
+        assert np.array_equal(_bits(dw[e]), _bits(want_dw)), e
+        start += int(g)
 
 
 def test_the_non_partitionable_threefry_draws_are_rebuilt_too():
@@ -173,13 +212,20 @@ def _largest_intermediate(jaxpr) -> int:
 
 
 def test_padding_and_work_grow_with_e_times_alignment_not_e_times_t():
-    for tokens, groups, a in ((96, 4, 16), (4096, 64, 16), (4096, 64, 32), (10, 8, 1)):
-        shape = GroupShape(tokens, groups, a)
-        assert shape.rows >= tokens + groups * (a - 1)  # room for any group sizes
-        assert shape.rows < tokens + groups * (a - 1) + a
-        assert shape.window_tiles[-1] == shape.tiles
-        ratios = np.array(shape.window_tiles[1:]) / np.array(shape.window_tiles[:-1])
-        assert ratios.max() <= 2 and ratios[ratios > 1.5].size <= 1  # ~sqrt(2) steps
+    rng = np.random.default_rng(0)
+    for tokens, groups, alignment in ((48, 4, 16), (4096, 64, 16), (4096, 64, 32), (10, 8, 1)):
+        shape = GroupShape(tokens, groups, alignment)
+        a = shape.tile_rows  # the alignment, at least 16 rows
+        assert a == max(alignment, 16)
+        assert tokens + groups * (a - 1) - a < shape.rows <= tokens + groups * (a - 1)
+        worst = [1] * (groups - 1) + [tokens - groups + 1]  # every group 1 row past a tile
+        drawn = [rng.multinomial(tokens, np.ones(groups) / groups) for _ in range(100)]
+        for sizes in (worst, *drawn):
+            assert sum(-(-int(g) // a) for g in sizes) <= shape.tiles  # room for any sizes
+        lengths = np.array(shape.window_tiles)
+        assert lengths[-1] == shape.tiles and lengths[0] == 1
+        large = lengths[lengths >= 8]  # Wgrad windows: <= 1.25x a group
+        assert np.all(large[1:] / large[:-1] <= 1.25)
     # the whole step (forward, both gradients) at T = 512, E = 32: nothing of E x T x K
     tokens, groups = 512, 32
     x = jnp.zeros((tokens, K), jnp.bfloat16)

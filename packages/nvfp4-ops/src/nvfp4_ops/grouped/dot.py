@@ -47,8 +47,8 @@ def ragged_dot(
       RHT; 1x32 for MXFP4), so no block may take rows of two groups: every group is padded with
       zero rows to a multiple of `recipe.alignment`, which is exactly the zero padding its dense
       call adds (zeros change no amax and no sum; the RHT spreads them inside the group's last
-      tile only). The groups sit in one static buffer of ceil((T + E (a - 1)) / a) tiles of a
-      rows: O(E a) rows more than x, whatever the traced group sizes.
+      tile only). The groups sit in one static buffer of floor((T + E (a - 1)) / a) tiles of
+      a rows: at most E (a - 1) rows more than x, whatever the traced group sizes.
     - stochastic rounding: group e's keys are `split_keys(fold_in(key, e))`, as its dense call
       splits them; the random bytes of x, dY and their transposes are rebuilt from threefry
       counters at each element's index in its group's dense operand (so `key` must be a

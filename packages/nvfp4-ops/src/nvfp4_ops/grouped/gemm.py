@@ -6,17 +6,22 @@ Two shapes of grouped GEMM (operands float32, as the dense GEMMs decode them):
 - `wgrad`: lhs tiles [tiles, R1, a] and rhs tiles [tiles, R2, a] (x^T, dY^T); each group is
   contracted over its own tokens: out [E, R1, R2].
 
-"emulated" (`EMULATED`): each group is one FP32 `dot_general` (precision HIGHEST) of exactly the
-form the dense emulated GEMM runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last
-axes), on a window of the padded buffer that starts at the group's first tile
-(`over_groups`). A window has one of a few static lengths (`GroupShape.window_tiles`, the
-smallest that holds the group, at most ~1.42x its tiles), and its rows past the group are zero.
-So the grouped result is the dense one bit for bit as long as XLA's FP32 dot gives (i) each
-output row independently of the other rows and (ii) the same sum when zeros are appended to the
-contraction. Both hold for XLA:CPU (checked bit for bit against the dense calls in
-tests/test_grouped.py); elsewhere (GPU libraries choose kernels by shape) they are assumed,
-untested, and a failure would change the FP32 summation order only. Cost: E GEMMs over ~1.2 T
-rows in all: about one dense GEMM over the T rows, not E of them.
+"emulated": FP32 `dot_general`s (precision HIGHEST) of exactly the form the dense emulated GEMM
+runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last axes), in static-length pieces
+of the padded buffer, one loop per length (no data-dependent shapes):
+- rows: each group's tiles in power-of-two pieces (`row_pieces`): every row computed once
+  (`rows_by_group`; a one-row group of an alignment-1 recipe once more as a one-row product);
+- Wgrad: each group in ONE window from its first tile (`wgrad_windows`), the shortest of
+  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles), zeros after it.
+The result is the dense calls' bit for bit as long as XLA's FP32 dot gives (i) each output row
+independently of the other rows and of how many there are (two or more: one row is a
+matrix-vector product), and (ii) the same sum when zeros are appended to the contraction (not
+prepended: the window starts at the group; for a one-row group of an FP8 or "bf16" recipe, from
+1 to 16 terms). Both hold for
+XLA:CPU (checked bit for bit against the dense calls in tests/test_grouped.py); elsewhere (GPU
+libraries choose kernels by shape) they are assumed, untested, and a failure would change the
+FP32 summation order only. Cost: the rows' GEMMs are exactly the groups' rows, Wgrad at most
+~1.19x: about one dense call's GEMMs over the T rows, not E of them.
 
 "xla" (`XLA`): the decoded operands to `jax.lax.ragged_dot_general` (ragged rows for Fprop and
 Dgrad, ragged contraction for Wgrad, precision HIGHEST) with the padded group sizes, which XLA
@@ -40,42 +45,60 @@ _LAST = (((2,), (2,)), ((0,), (0,)))
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """`tiles` (static) consecutive tiles from a group's first; the first `count` are its own."""
+    """`tiles` (static) consecutive tiles from tile `first`; the first `count` are the group's."""
 
     tiles: int
     first: jax.Array
     count: jax.Array
 
-    def _indices(self, total: int) -> jax.Array:
-        i = jnp.arange(self.tiles, dtype=jnp.int32)
-        return jnp.where(i < self.count, self.first + i, total)  # `total`: out of bounds
-
     def take(self, tiles: jax.Array) -> jax.Array:
-        """The window's tiles of `tiles` [n, ...]: [self.tiles, ...], zeros past the group."""
-        return jnp.take(tiles, self._indices(tiles.shape[0]), axis=0, mode="fill", fill_value=0)
+        """The window's tiles of `tiles` [n, ...]: [self.tiles, ...], zeros past the group
+        (also where the window runs past the buffer)."""
+        i = jnp.arange(self.tiles, dtype=jnp.int32)
+        index = jnp.where(i < self.count, self.first + i, tiles.shape[0])  # past n: zeros
+        return jnp.take(tiles, index, axis=0, mode="fill", fill_value=0)
 
-    def put(self, tiles: jax.Array, values: jax.Array) -> jax.Array:
-        """`tiles` [n, ...] with the group's tiles of `values` [self.tiles, ...] written in."""
-        return tiles.at[self._indices(tiles.shape[0])].set(values, mode="drop")
+
+def _each(selected: jax.Array, step: Callable[[Any, Any], Any], carry: Any) -> Any:
+    """`carry = step(e, carry)` for the groups e where `selected` [E] holds, in order (a while
+    loop with as many trips as there are such groups)."""
+    order = jnp.argsort(~selected, stable=True).astype(jnp.int32)
+    count = jnp.sum(selected, dtype=jnp.int32)
+    return jax.lax.fori_loop(0, count, lambda i, c: step(order[i], c), carry)
 
 
-def over_groups(layout: GroupLayout, step: Callable[[Window, Any, Any], Any], init: Any) -> Any:
-    """`carry = step(window, e, carry)` for the groups e = 0..E-1 in order (a `fori_loop`), each
-    in the shortest static window that holds it; an empty group leaves `carry` as it is."""
+def row_pieces(layout: GroupLayout, step: Callable[[Window, Any, Any], Any], init: Any) -> Any:
+    """`carry = step(window, e, carry)` over every group's tiles cut into power-of-two pieces
+    (its count's binary digits, largest first: 5 tiles -> 4 + 1), one static loop per piece
+    length (`GroupShape.piece_tiles`). Every tile of every group is in exactly one piece, and a
+    piece never leaves its group (so no masking, no work past the groups)."""
+    counts, carry = layout.tile_counts, init
+    for length in layout.shape.piece_tiles:
+        k = length.bit_length() - 1
+        above = (counts >> (k + 1)) << (k + 1)  # the tiles of the larger pieces before it
+
+        def piece(e, c, length=length, above=above):
+            window = Window(length, layout.tile_starts[e] + above[e], jnp.int32(length))
+            return step(window, e, c)
+
+        carry = _each(((counts >> k) & 1) == 1, piece, carry)
+    return carry
+
+
+def wgrad_windows(layout: GroupLayout, step: Callable[[Window, Any, Any], Any], init: Any) -> Any:
+    """`carry = step(window, e, carry)` for every non-empty group, in ONE window from its first
+    tile: the shortest of `GroupShape.window_tiles` that holds it (zeros past the group), one
+    static loop per window length."""
     lengths = layout.shape.window_tiles
-    counts = layout.tile_counts
-    choice = jnp.where(counts == 0, 0, 1 + jnp.searchsorted(jnp.asarray(lengths), counts))
+    counts, carry = layout.tile_counts, init
+    choice = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), counts)  # shortest >= count
+    for j, length in enumerate(lengths):
 
-    def branch(length: int) -> Callable[[Any, Any], Any]:
-        def run(e, carry):
-            window = Window(length, layout.tile_starts[e], counts[e])
-            return step(window, e, carry)
+        def whole(e, c, length=length):
+            return step(Window(length, layout.tile_starts[e], counts[e]), e, c)
 
-        return run
-
-    branches = [lambda e, carry: carry, *(branch(n) for n in lengths)]
-    body = lambda e, carry: jax.lax.switch(choice[e], branches, e, carry)  # noqa: E731
-    return jax.lax.fori_loop(0, layout.shape.groups, body, init)
+        carry = _each((choice == j) & (counts > 0), whole, carry)
+    return carry
 
 
 def _index(per_group: jax.Array, e) -> jax.Array:
@@ -88,17 +111,34 @@ def rows_by_group(
     product: Callable[[jax.Array, Any], jax.Array],
     out_tile: tuple[tuple[int, ...], Any],
 ) -> jax.Array:
-    """Out tiles whose rows of group e are `product(rows [L, C], e)` [L, Q] of that group's
-    window (`over_groups`); `out_tile` = (shape of one out tile, dtype)."""
+    """Out tiles whose rows of group e are `product(rows [L, C], e)` [L, Q]; `out_tile` = (shape
+    of one out tile, dtype); zeros past the groups.
+
+    The rows go in power-of-two pieces of each group (`row_pieces`: every row once, at least 16
+    rows a piece). XLA computes a one-row dot as a matrix-vector product whose sums may differ
+    from a row of a larger dot, so where a one-row group is a one-row product in its dense call
+    (`GroupShape.one_row_groups`) its row is computed once more on its own.
+    """
     shape, dtype = out_tile
-    a = layout.shape.alignment
+    a = layout.shape.tile_rows
 
-    def step(window: Window, e, out):
-        rows = window.take(lhs_tiles)
+    def piece(window: Window, e, out):
+        rows = jax.lax.dynamic_slice_in_dim(lhs_tiles, window.first, window.tiles, axis=0)
         rows = rows.reshape(window.tiles * a, *rows.shape[2:])
-        return window.put(out, product(rows, e).reshape(window.tiles, *shape))
+        value = product(rows, e).reshape(window.tiles, *shape).astype(dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, value, window.first, axis=0)
 
-    return over_groups(layout, step, jnp.zeros((layout.shape.tiles, *shape), dtype))
+    def one_row(e, out):
+        first = layout.tile_starts[e]
+        row = jax.lax.dynamic_slice_in_dim(lhs_tiles, first, 1, axis=0)[0, :1]
+        value = product(row, e).astype(dtype)  # [1, Q]
+        tile = jax.lax.dynamic_index_in_dim(out, first, keepdims=False).at[:1].set(value)
+        return jax.lax.dynamic_update_index_in_dim(out, tile, first, 0)
+
+    out = row_pieces(layout, piece, jnp.zeros((layout.shape.tiles, *shape), dtype))
+    if layout.shape.one_row_groups:
+        out = _each(layout.sizes == 1, one_row, out)
+    return out
 
 
 def tokens_last(tiles: jax.Array) -> jax.Array:
@@ -113,15 +153,15 @@ def by_group(
     product: Callable[[jax.Array, jax.Array], jax.Array],
     out: tuple[tuple[int, ...], Any],
 ) -> jax.Array:
-    """[E, ...]: group e's entry is `product(lhs window tiles, rhs window tiles)` (zeros for an
-    empty group); `out` = (shape of one entry, dtype)."""
+    """[E, ...]: group e's entry is `product(lhs window tiles, rhs window tiles)` over its one
+    window (`wgrad_windows`; zeros for an empty group); `out` = (shape of one entry, dtype)."""
     shape, dtype = out
 
     def step(window: Window, e, acc):
         value = product(window.take(lhs_tiles), window.take(rhs_tiles))
         return jax.lax.dynamic_update_index_in_dim(acc, value.astype(dtype), e, 0)
 
-    return over_groups(layout, step, jnp.zeros((layout.shape.groups, *shape), dtype))
+    return wgrad_windows(layout, step, jnp.zeros((layout.shape.groups, *shape), dtype))
 
 
 def _fp32_last(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -133,7 +173,7 @@ def _fp32_last(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def emulated_rows(lhs_tiles: jax.Array, rhs: jax.Array, layout: GroupLayout) -> jax.Array:
     """Fprop / Dgrad: lhs tiles [tiles, a, C] . rhs[e] [Q, C] per group -> [tiles, a, Q]."""
-    a, q = layout.shape.alignment, rhs.shape[1]
+    a, q = layout.shape.tile_rows, rhs.shape[1]
 
     def product(rows, e):
         return _fp32_last(rows[None], _index(rhs, e)[None])[0]

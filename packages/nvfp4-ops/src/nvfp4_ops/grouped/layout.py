@@ -4,55 +4,89 @@ x [T, K] holds the groups' rows back to back, group e in rows starts[e] .. start
 rows from sum(sizes) on are padding (they give zero output rows and get zero gradients). The
 Wgrad operands are blocked along the tokens (1x16 blocks and the 16-point RHT; 1x32 for MXFP4),
 and no block may take rows of two groups, so every group is padded with zero rows to a multiple
-of the alignment a (`Recipe.alignment`: 16, or 32 for MXFP4), as the dense call pads one group.
-The padded rows are cut into tiles of a rows: group e holds tiles tile_starts[e] ..
-tile_starts[e] + tile_counts[e] of a buffer of `GroupShape.tiles` tiles. Since
-sum_e ceil(g_e / a) a <= T + E (a - 1), that static buffer (ceil((T + E (a - 1)) / a) tiles)
-holds any traced `group_sizes`: at most E (a - 1) + a - 1 rows more than x, never E x T.
+of the alignment (`Recipe.alignment`: 16, or 32 for MXFP4), as the dense call pads one group.
+The padded rows are cut into tiles of `GroupShape.tile_rows` rows (the alignment; 16 for the
+recipes without blocks along the tokens, FP8 and "bf16", whose dense calls pad nothing: zero
+rows change nothing there and the GEMMs then run on whole tiles): group e holds tiles
+tile_starts[e] .. tile_starts[e] + tile_counts[e] of a buffer of `GroupShape.tiles` tiles.
+Since sum_e ceil(g_e / a) a <= T + E (a - 1) for tiles of a rows, that static buffer
+(floor((T + E (a - 1)) / a) tiles) holds any traced `group_sizes`: at most E (a - 1) rows more
+than x, never E x T.
 
 Every array here is traced (group_sizes is a runtime value inside `jax.jit`); only `GroupShape`
-(T, E, a) is static.
+(T, E, alignment) is static.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+MIN_TILE_ROWS = 16
+"""The fewest rows in a tile (`GroupShape.tile_rows`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupShape:
-    """The static side of a grouped GEMM: T tokens, E groups, alignment a (hashable)."""
+    """The static side of a grouped GEMM: T tokens, E groups, the recipe's alignment (hashable)."""
 
     tokens: int
     groups: int
     alignment: int
 
     @property
+    def tile_rows(self) -> int:
+        """Rows per tile, a: the alignment, at least `MIN_TILE_ROWS` (FP8 and "bf16" have an
+        alignment of 1: their groups are padded to 16 rows here, which changes no result)."""
+        return max(self.alignment, MIN_TILE_ROWS)
+
+    @property
+    def one_row_groups(self) -> bool:
+        """Whether a group of one row is a one-row product in its dense call (alignment 1: the
+        dense call pads nothing, and XLA computes a one-row dot as a matrix-vector product)."""
+        return self.alignment == 1
+
+    @property
     def tiles(self) -> int:
-        """Tiles of the padded buffer: ceil((T + E (a - 1)) / a), enough for any group sizes."""
-        a = self.alignment
-        return -(-(self.tokens + self.groups * (a - 1)) // a)
+        """Tiles of the padded buffer: floor((T + E (a - 1)) / a), enough for any group sizes
+        (sum_e ceil(g_e / a) is an integer <= (T + E (a - 1)) / a when sum_e g_e <= T)."""
+        a = self.tile_rows
+        return max(1, (self.tokens + self.groups * (a - 1)) // a)
 
     @property
     def rows(self) -> int:
         """Rows of the padded buffer (tiles x a)."""
-        return self.tiles * self.alignment
+        return self.tiles * self.tile_rows
 
     @property
     def window_tiles(self) -> tuple[int, ...]:
-        """The static window lengths (in tiles) a group is computed in (`windows.over_groups`):
-        1, 2, 3, 4, 6, 8, 12, 16, 23, ... (powers of two and ceil(sqrt(2) 2^k)), and `tiles`.
-        A group of t tiles gets the smallest window >= t: at most ~1.42x its tiles."""
-        sizes, k = {self.tiles}, 0
-        while 2**k < self.tiles:
-            sizes.add(2**k)
-            sizes.add(math.isqrt(2 * 4**k) + 1)  # ceil(sqrt(2) 2^k): sqrt(2 4^k) is irrational
-            k += 1
-        return tuple(sorted(s for s in sizes if s <= self.tiles))
+        """The static window lengths (in tiles) a group's Wgrad is computed in
+        (`gemm.wgrad_windows`): ceil(2^(j/4)) for j = 0, 1, ... (1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
+        14, 16, 20, 23, 27, 32, ...) below `tiles`, and `tiles`. A group of t tiles gets the
+        smallest window >= t: at most 2^(1/4) ~ 1.19x its tiles once t > 8, exact up to 8."""
+        sizes, j = {self.tiles}, 0
+        while (size := _ceil_root4(2**j)) < self.tiles:
+            sizes.add(size)
+            j += 1
+        return tuple(sorted(sizes))
+
+    @property
+    def piece_tiles(self) -> tuple[int, ...]:
+        """The static lengths (powers of two, in tiles) a group's rows are computed in
+        (`gemm.row_pieces`): a group of t tiles is t's binary digits, no row more."""
+        return tuple(2**k for k in range(self.tiles.bit_length()) if 2**k <= self.tiles)
+
+
+def _ceil_root4(n: int) -> int:
+    """ceil(n^(1/4)) for an integer n >= 1, exactly."""
+    m = max(1, round(n**0.25))
+    while m**4 < n:
+        m += 1
+    while m > 1 and (m - 1) ** 4 >= n:
+        m -= 1
+    return m
 
 
 @jax.tree_util.register_dataclass
@@ -86,8 +120,9 @@ class GroupLayout:
 
     @property
     def padded_sizes(self) -> jax.Array:
-        """int32 [E], each group's rows padded to the alignment (the dense call's M)."""
-        return self.tile_counts * self.shape.alignment
+        """int32 [E], each group's rows padded to whole tiles (the dense call's M when the
+        alignment is 16 or more)."""
+        return self.tile_counts * self.shape.tile_rows
 
 
 def group_layout(group_sizes: jax.Array, shape: GroupShape) -> GroupLayout:
@@ -96,7 +131,7 @@ def group_layout(group_sizes: jax.Array, shape: GroupShape) -> GroupLayout:
     Negative sizes count as 0 and sizes past T rows are cut (lax.ragged_dot leaves such inputs
     unspecified; here no row is read twice and no index leaves x).
     """
-    a, n = shape.alignment, shape.tiles
+    a, n = shape.tile_rows, shape.tiles
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), shape.tokens)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     sizes = ends - starts
@@ -114,7 +149,7 @@ def to_tiles(x: jax.Array, layout: GroupLayout) -> jax.Array:
     """x [T, C] -> the padded buffer as tiles [tiles, a, C]: each group's rows from its first
     tile on, zeros after them (to its alignment) and in every tile past the last group."""
     shape = layout.shape
-    a = shape.alignment
+    a = shape.tile_rows
     rows = jnp.arange(shape.rows, dtype=jnp.int32)
     tile, within = rows // a, rows % a
     group = layout.tile_group[tile]
@@ -129,7 +164,7 @@ def to_tiles(x: jax.Array, layout: GroupLayout) -> jax.Array:
 def from_tiles(tiles: jax.Array, layout: GroupLayout) -> jax.Array:
     """The padded buffer [tiles, a, C] -> x's rows [T, C] (zero rows past sum(sizes))."""
     shape = layout.shape
-    a = shape.alignment
+    a = shape.tile_rows
     flat = tiles.reshape(shape.rows, *tiles.shape[2:])
     token = jnp.arange(shape.tokens, dtype=jnp.int32)
     ends = layout.starts + layout.sizes

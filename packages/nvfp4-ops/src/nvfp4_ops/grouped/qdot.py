@@ -71,7 +71,7 @@ def _unquantized_fprop(x_tiles, w, layout):
         out = jax.lax.dot_general(rows[None], w_e, dims, preferred_element_type=jnp.float32)
         return out[0]
 
-    tile = ((layout.shape.alignment, w.shape[2]), jnp.float32)
+    tile = ((layout.shape.tile_rows, w.shape[2]), jnp.float32)
     with jax.named_scope("nvfp4/fprop_bf16"):
         return rows_by_group(x_tiles, layout, product, tile)
 

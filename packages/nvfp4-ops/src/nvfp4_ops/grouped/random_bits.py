@@ -80,29 +80,29 @@ def token_uniform(
         raise ValueError(f"a tile of {rows}x{cols} elements is not whole 32-bit words")
     data = jax.random.key_data(keys)  # [E, 2] uint32
     data = jnp.concatenate([data, jnp.zeros((1, 2), jnp.uint32)])  # tiles past the last group
-    a = jnp.uint32(layout.shape.alignment)
+    tile_key = jnp.take(data, layout.tile_group, axis=0)[:, None, None, :]  # [tiles, 1, 1, 2]
+    a = layout.shape.tile_rows
     offset, padded = (v.astype(jnp.uint32)[:, None, None] for v in tile_positions(layout))
-    tile_key = jnp.take(data, layout.tile_group, axis=0)[:, None, None, :]
     i, j = (jax.lax.broadcasted_iota(jnp.uint32, (n, rows, cols // 4), d) for d in (1, 2))
-    if tokens_last:  # element (r, m): word (r Mp + m) / 4, m = offset a + 4 j + byte
-        counter = i * (padded // 4) + offset * (a // 4) + j
-        words = jnp.uint32(rows) * padded // 4
-    else:  # element (m, c): word (m C + c) / 4, m = offset a + i, c = 4 j + byte
-        counter = (offset * a + i) * jnp.uint32(cols // 4) + j
-        words = padded * jnp.uint32(cols // 4)
+    if tokens_last:  # element (r, m): word (r Mp + m) / 4 with m = offset a + 4 j + byte
+        counter = (offset * (a // 4) + j) + i * (padded // 4)
+        words = padded * (rows // 4)
+    else:  # element (m, c): word (m C + c) / 4 with m = offset a + i, c = 4 j + byte
+        counter = offset * (a * cols // 4) + (i * (cols // 4) + j)
+        words = padded * (cols // 4)
     bits = _threefry_words(tile_key, counter, words)  # uint32: any group below 2^34 elements
     return words_as_uniform(bits, tiles_shape)
 
 
 def _threefry_words(key: jax.Array, counter: jax.Array, words: jax.Array) -> jax.Array:
-    """Word `counter` of `jax.random.bits(key, (words,), uint32)` for a threefry key's data
-    [..., 2] (broadcast against counter and words)."""
-    k1 = jnp.broadcast_to(key[..., 0], counter.shape)
-    k2 = jnp.broadcast_to(key[..., 1], counter.shape)
+    """Word `counter` of `jax.random.bits(key, (words,), uint32)` for threefry key data
+    [..., 2]; key and words have counter's rank, with size-1 axes where they are the same
+    along counter's (per tile), which threefry broadcasts without materialising them."""
+    k1, k2 = key[..., 0], key[..., 1]
     if jax.config.jax_threefry_partitionable:  # word j: threefry(k, (0, j)), outputs XOR-ed
         hi, lo = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counter), counter)
         return hi ^ lo
-    half = jnp.broadcast_to(words // 2, counter.shape)  # the whole draw's counters, halved
+    half = words // 2  # the whole draw's counters, halved
     low = counter < half
     first = jnp.where(low, counter, counter - half)
     second = jnp.where(low, counter + half, counter)

@@ -3,7 +3,9 @@
 The dense `dot_general` of such a recipe is `lax.dot_general(x, w)` with JAX's own gradients. Its
 grouped counterpart runs, for each group, the very `dot_general`s that the dense call and JAX's
 transpose rules of `dot_general` run (same dimension numbers, `preferred_element_type` and output
-dtypes), on the group's window of the padded buffer (`gemm.over_groups`; zeros past the group):
+dtypes), on the group's rows in the padded buffer (`gemm.rows_by_group`, `gemm.by_group`; groups
+padded to 16 rows, which changes none of these sums; a one-row group's row is a one-row product,
+as in its dense call):
 
   y_g  = dot_general(x_g, W_e, ((1,), (0,)))                       (then the output dtype)
   dx_g = dot_general(dY_g, W_e, ((1,), (1,))) -> x's dtype
@@ -47,7 +49,8 @@ def _rows(tiles, w, layout, dims, cfg: PlainConfig, q: int, dtype):
         w_e = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
         return jax.lax.dot_general(rows, w_e, dims, preferred_element_type=cfg.preferred)
 
-    return rows_by_group(tiles, layout, product, ((layout.shape.alignment, q), dtype))
+    tile = ((layout.shape.tile_rows, q), dtype)
+    return rows_by_group(tiles, layout, product, tile)
 
 
 def _fwd(x, w, group_sizes, cfg: PlainConfig):
