@@ -5,9 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from nvfp4_train.data import ByteTokenizer, DataConfig, make_datasets, train_bpe
+from nvfp4_train.data import ByteTokenizer, DataConfig, MixtureSource, make_datasets, train_bpe
 from nvfp4_train.data.builtin_text import kjv_chapters
 from nvfp4_train.data.packing import split_documents
+from nvfp4_train.errors import DataError
 
 SEQ_LEN = 8
 NUM_TOKENS = 2000  # 1960 training tokens -> 244 sequences of 9 tokens; 40 held out -> 4 sequences
@@ -349,3 +350,18 @@ def test_document_mask_values_and_old_saved_configs():
     saved = to_dict(config_from_dict({}))
     del saved["data"]["document_mask"]  # written before the key: trained across documents
     assert config_from_dict(upgraded(saved)).data.document_mask is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"path": "corpsu/"}, r"^data\.path: 'corpsu/' does not exist$"),
+        ({"path": "builtin"}, r"'builtin' does not exist \(the built-in corpus is data\.source="),
+        ({"mixture": (MixtureSource("web/"), MixtureSource("cdoe/"))},
+         r"^data\.mixture: 'web/' does not exist$"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_tokens_path_is_named(fields, message):
+    with pytest.raises(DataError, match=message):
+        make_datasets(DataConfig(source="tokens", **fields), seq_len=8, batch_size=2, seed=0)
+

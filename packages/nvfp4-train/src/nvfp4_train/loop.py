@@ -120,6 +120,7 @@ class TrainingLoop:
         self.config_dict = to_dict(cfg)
         self.recipes = forward_weight_names(self.schedule, cfg.train.steps)
         self.reference_tokens = reference_tokens(cfg, datasets)
+        self.tokens_by_source = datasets.tokens_by_source  # {} without data.mixture
         seed = cfg.train.seed
         exported = self._graphdef({p: get_recipe(n) for p, n in self.recipes.items()})
         self.forward = jax.jit(
@@ -275,6 +276,8 @@ class TrainingLoop:
             skipped_total=int(host[-1]["skipped_total"]),
         )  # fmt: skip
         row |= self.throughput.fields(row["tokens_per_s"])
+        if by_source := self.tokens_by_source(step):
+            row["tokens_by_source"] = by_source
         if self.cfg.optimizer.loss_scaling.mode != "none":
             row["loss_scale"] = float(host[-1]["loss_scale"])
         if evaluate_now:
