@@ -239,6 +239,10 @@ BAD_COMMANDS = {  # name: (files to make under tmp_path, argv after the tokenize
         {"c.jsonl.zst": "x"}, ["c.jsonl.zst", "-o", "out"],
         r"'c\.jsonl\.zst': compressed \(\.zst\); only \.jsonl\.gz / \.json\.gz are read",
     ),
+    "a directory of .zst files": (
+        {"z/c.jsonl.zst": "x"}, ["z", "-o", "out"],
+        r"'z': no \.parquet, .* files in this directory \(skipped: c\.jsonl\.zst: compressed",
+    ),
 }  # fmt: skip
 
 

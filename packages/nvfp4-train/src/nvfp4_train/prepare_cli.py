@@ -3,8 +3,9 @@
     nvfp4-train prepare-data INPUT [INPUT ...] --tokenizer tokenizer.json -o OUT_DIR
         [--text-field text] [--eos-token '<|endoftext|>'] [--shard-tokens 100000000]
 
-Shows a progress bar (input bytes, documents, tokens, tokens/s, ETA) and ends with a summary.
-Interrupted, the same command resumes from the last written shard.
+Shows a progress bar (input bytes, documents, tokens, tokens/s of this run, ETA) and ends with a
+summary: totals, this run's tokens and speed, the files taken and skipped (with the reason), and
+the separators found as text. Interrupted, the same command resumes from the last written shard.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     task = bar.add_task("prepare-data", total=None, documents=0, tokens=0, rate="")
 
     def report(p: PrepareProgress) -> None:
-        if not first:
+        if not first:  # the bar starts where this run starts: no jump counted as speed
             first.append((p.tokens, time.perf_counter()))
+            bar.reset(task, total=p.bytes_total, completed=p.bytes_done)
             bar.start()
         rate = (p.tokens - first[0][0]) / max(time.perf_counter() - first[0][1], 1e-9)
         bar.update(task, total=p.bytes_total, completed=p.bytes_done, documents=p.documents,

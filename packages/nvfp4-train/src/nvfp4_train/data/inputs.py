@@ -130,9 +130,15 @@ def input_files(paths: Sequence[str | Path], output: str | Path | None = None) -
     files, skipped, first_as = [], [], {}
     for path in given:
         if path.is_dir():
+            before = len(skipped)
             found = _walk(path, out, skipped)
             if not found:
-                raise DataError(f"{str(path)!r}: no {', '.join(SUFFIXES)} files in this directory")
+                passed = [f"{Path(e['path']).name}: {e['reason']}" for e in skipped[before:]]
+                why = f" (skipped: {'; '.join(passed[:3])}{'; ...' if len(passed) > 3 else ''})"
+                raise DataError(
+                    f"{str(path)!r}: no {', '.join(SUFFIXES)} files in this directory"
+                    + (why if passed else "")
+                )
         elif path.is_file():
             reason = _not_corpus(path)
             if reason:

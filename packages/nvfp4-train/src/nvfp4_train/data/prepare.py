@@ -4,10 +4,11 @@ Records are read in order (files sorted, records in file order), tokenized in ba
 Face `tokenizers` library (its Rust encoder runs a batch on every core), each document followed
 by the separator, and cut into shards of at least `shard_tokens` tokens at document boundaries.
 A shard is written to a temporary file and renamed; then `prepare-state.json` records it with the
-record to read next. Interrupted and rerun with the same arguments, the preparation drops any
-shard the state does not list and continues from that record: as every shard depends only on
-the records before it, the output is byte-identical to an uninterrupted run. The manifest is
-written last (see `nvfp4_train.data.prepared`).
+record to read next. Interrupted and rerun with the same arguments, the preparation deletes its
+own shards the state does not list and continues from that record: as every shard depends only
+on the records before it, the output is byte-identical to an uninterrupted run. The manifest is
+written last (see `nvfp4_train.data.prepared`). Which output directories it may write into, and
+what a resume or a rerun checks first, is `nvfp4_train.data.prepare_output`.
 """
 
 import dataclasses
@@ -284,7 +285,9 @@ def prepare_corpus(
         out.mkdir(parents=True, exist_ok=True)
         state = _fresh_state(settings, found.files)
         write_json_atomically(out / STATE, state)  # first: the directory is now prepare-data's
-        shutil.copyfile(tokenizer_path, out / TOKENIZER_FILE)
+        partial = out / (TOKENIZER_FILE + ".tmp")  # never half a tokenizer
+        shutil.copyfile(tokenizer_path, partial)
+        partial.replace(out / TOKENIZER_FILE)
     try:
         return _run(out, state, hf, eos_id, found, report)
     except DataError as e:

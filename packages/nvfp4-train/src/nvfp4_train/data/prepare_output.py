@@ -29,6 +29,7 @@ from nvfp4_train.errors import DataError
 
 OWN_SHARD = re.compile(r"shard-\d{5}\.bin(\.tmp)?")
 OWN_TEMPORARY = (STATE + ".tmp", MANIFEST + ".tmp", TOKENIZER_FILE + ".tmp")
+_NEXT = ("source", "record")
 _FIELDS = {
     STATE: {"shards": list, "sources": list, "tokenizer": dict, "dtype": str, "next": dict},
     MANIFEST: {"shards": list, "sources": list, "tokenizer": dict, "dtype": str, "tokens": int},
@@ -94,6 +95,8 @@ def read_own(out: Path, name: str) -> dict:
             why = "a shard entry is not {file: shard-NNNNN.bin, tokens, sha256}"
         elif not all(isinstance(s, dict) for s in content["sources"]):
             why = "a source entry is not an object"
+        elif name == STATE and not all(isinstance(content["next"].get(k), int) for k in _NEXT):
+            why = "next is not {source, record}"
         else:
             return content
     raise DataError(
