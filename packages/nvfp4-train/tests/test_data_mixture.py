@@ -207,3 +207,52 @@ def test_reading_a_corpus_4x_the_memory_limit_stays_under_it(tmp_path, kind):
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["steps"] * 16 * 4096 * 2 > 4 * limit_mib * 2**20 * 0.99
     assert result["grown"] < limit_mib, result
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ((1, 1, 1e-9), r"s2\.npy' \(weight 1e-09\) has a share of 5e-10 of the training tokens, "
+                       r"under one of the 16,384 slots of the schedule"),
+        ((1e308, 1e308, 1), r"s2\.npy' \(weight 1\) has a share of 5e-309 of the training"),
+    ],
+)  # fmt: skip
+def test_a_source_whose_share_rounds_to_nothing_is_refused(sources, weights, message):
+    with pytest.raises(DataError, match=message):
+        make_datasets(_config(sources, weights), seq_len=8, batch_size=4, seed=0)
+
+
+def test_huge_weights_are_normalized_without_overflow(sources):
+    with np.errstate(all="raise"):  # an overflow is an error here, not a warning
+        datasets = make_datasets(_config(sources, (1e308,) * 3), seq_len=8, batch_size=3, seed=0)
+    assert (
+        np.bincount(_sources_of(next(datasets.train_iterator())), minlength=3).tolist() == [1] * 3
+    )
+
+
+def test_the_realised_shares_are_reported_and_counted_per_source(sources):
+    datasets = make_datasets(_config(sources), seq_len=8, batch_size=10, seed=0)
+    names = ", ".join(f"{p} {share}%" for p, share in zip(sources, (50, 30, 20), strict=True))
+    assert datasets.documents.endswith(
+        f"mixture of 3 sources (data.mixture), shares of training tokens: {names}"
+    )
+    it, rows = datasets.train_iterator(), np.zeros(3, dtype=np.int64)
+    for _ in range(7):
+        rows += np.bincount(_sources_of(next(it)), minlength=3)
+    assert datasets.tokens_by_source(7) == dict(zip(sources, (rows * 8).tolist(), strict=True))
+
+
+def test_the_builtin_corpus_is_a_mixture_source_in_the_mixture_tokenizer(sources, tmp_path):
+    ByteTokenizer(EOS).save(tmp_path / "tok")
+    (tmp_path / "z.txt").write_text("zz " * 20_000)
+    prepare_corpus([tmp_path / "z.txt"], tokenizer=tmp_path / "tok", output=tmp_path / "z")
+    mixture = (MixtureSource(str(tmp_path / "z")), MixtureSource("builtin"))
+    datasets = make_datasets(DataConfig(source="tokens", mixture=mixture, validation_batches=1),
+                             seq_len=256, batch_size=4, seed=0)  # fmt: skip
+    rows = [datasets.tokenizer.decode(row) for row in next(datasets.train_iterator())["inputs"]]
+    assert sum(set(row) <= set("z ") for row in rows) == 2  # the other two are the Bible's
+    assert sum(" the " in row or " and " in row for row in rows) == 2
+    without = _config([sources[0], "builtin"], (1, 1))  # token ids without a tokenizer
+    with pytest.raises(DataError, match=r"'builtin' is tokenized with the mixture's tokenizer, "
+                       r"but no source brings one"):  # fmt: skip
+        make_datasets(without, seq_len=8, batch_size=2, seed=0)

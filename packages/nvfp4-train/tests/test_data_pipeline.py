@@ -5,9 +5,11 @@ import itertools
 import numpy as np
 import pytest
 
-from nvfp4_train.data import ByteTokenizer, DataConfig, make_datasets, train_bpe
+from nvfp4_train.data import ByteTokenizer, DataConfig, MixtureSource, make_datasets, train_bpe
 from nvfp4_train.data.builtin_text import kjv_chapters
+from nvfp4_train.data.iterator_state import restore_iterator_state
 from nvfp4_train.data.packing import split_documents
+from nvfp4_train.errors import DataError
 
 SEQ_LEN = 8
 NUM_TOKENS = 2000  # 1960 training tokens -> 244 sequences of 9 tokens; 40 held out -> 4 sequences
@@ -349,3 +351,57 @@ def test_document_mask_values_and_old_saved_configs():
     saved = to_dict(config_from_dict({}))
     del saved["data"]["document_mask"]  # written before the key: trained across documents
     assert config_from_dict(upgraded(saved)).data.document_mask is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"path": "corpsu/"}, r"^data\.path: 'corpsu/' does not exist$"),
+        ({"path": "builtin"}, r"'builtin' does not exist \(the built-in corpus is data\.source="),
+        ({"mixture": (MixtureSource("web/"), MixtureSource("cdoe/"))},
+         r"^data\.mixture: 'web/' does not exist$"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_tokens_path_is_named(fields, message):
+    with pytest.raises(DataError, match=message):
+        make_datasets(DataConfig(source="tokens", **fields), seq_len=8, batch_size=2, seed=0)
+
+
+def _mixed(tmp_path, weights):
+    return DataConfig(source="tokens", tokens_vocab_size=NUM_TOKENS, validation_batches=2,
+                      mixture=tuple(MixtureSource(arange_config(tmp_path).path, w) for w in weights))  # fmt: skip
+
+
+RESUME_CHANGES = {  # what changed: (config, seed, seq_len, the message naming it)
+    "train.seed": (arange_config, 2, SEQ_LEN, r"train\.seed \(1 in the checkpoint, 2 now\)"),
+    "train.seq_len": (arange_config, 1, 4, r"train\.seq_len \(8 in the checkpoint, 4 now\) changed"),
+    "data.shuffle": (lambda p: arange_config(p, shuffle=False), 1, SEQ_LEN, r"data\.shuffle \(True"),
+    "data.source": (
+        lambda _: DataConfig(source="synthetic", synthetic_tokens=NUM_TOKENS, validation_batches=2),
+        1, SEQ_LEN, r"the vocabulary .* \(2000 in the checkpoint, 256 now\); the corpus \(data\.source",
+    ),
+    "data.mixture": (lambda p: _mixed(p, (1, 1)), 1, SEQ_LEN, r"data\.mixture \(none in the checkpoint, 2 sources now\) changed"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", list(RESUME_CHANGES))
+def test_resuming_with_a_changed_data_setting_names_it(tmp_path, change):
+    def iterator(cfg, seed, seq_len):
+        return make_datasets(cfg, seq_len=seq_len, batch_size=4, seed=seed).train_iterator()
+
+    saved = iterator(arange_config(tmp_path), 1, SEQ_LEN)
+    next(saved)
+    config, seed, seq_len, message = RESUME_CHANGES[change]
+    with pytest.raises(DataError, match=r"^cannot resume the training data from the checkpoint: "
+                       + message + r".*the run's data order depends on it"):  # fmt: skip
+        restore_iterator_state(iterator(config(tmp_path), seed, seq_len), saved.get_state())
+    same = iterator(arange_config(tmp_path), 1, SEQ_LEN)
+    restore_iterator_state(same, saved.get_state())  # unchanged: restored
+    assert_same_batches([next(same)], [next(saved)])
+
+
+def test_resuming_a_mixture_with_other_weights_names_them(tmp_path):
+    saved = make_datasets(_mixed(tmp_path, (1, 1)), seq_len=8, batch_size=4, seed=0)
+    other = make_datasets(_mixed(tmp_path, (3, 1)), seq_len=8, batch_size=4, seed=0)
+    with pytest.raises(DataError, match=r"data\.mixture weights \(1, 1 in the checkpoint, 3, 1 "):
+        restore_iterator_state(other.train_iterator(), saved.train_iterator().get_state())

@@ -5,10 +5,13 @@ import json
 
 import numpy as np
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import models, pre_tokenizers, trainers
 
-from nvfp4_train.data import ByteTokenizer, id_tokenizer, load_tokenizer, train_bpe
+from nvfp4_train.data import ByteTokenizer, HFTokenizer, id_tokenizer, load_tokenizer, train_bpe
+from nvfp4_train.data.tokenization import encode_joined, text_chunks
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 EOS = "<|endoftext|>"
@@ -121,3 +124,69 @@ def test_transformers_auto_tokenizer_loads_the_saved_files(tmp_path):
         text = "the quick café"
         assert auto(text)["input_ids"] == tok.encode(text)
         assert auto.eos_token == EOS and auto.eos_token_id == tok.eos_id
+
+
+def _metaspace_bpe():
+    hf = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()  # SentencePiece style: "▁word"
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", EOS], show_progress=False
+    )
+    hf.train_from_iterator(CORPUS, trainer=trainer)
+    return HFTokenizer(hf, EOS)
+
+
+TOKENIZERS = {
+    "byte-level BPE (GPT-2 pre-tokenizer)": lambda: train_bpe(CORPUS, 400, EOS),
+    "Metaspace BPE": _metaspace_bpe,
+    "bytes (tokenizer.json twin)": lambda: HFTokenizer(ByteTokenizer(EOS).to_hf(), EOS),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_long_documents_are_encoded_in_chunks_with_the_ids_of_the_whole(name):
+    tok = TOKENIZERS[name]()
+    rng = np.random.default_rng(0)
+    words = [
+        "the",
+        "word",
+        "",
+        "was\twith",
+        "déjà-vu,",
+        "東京",
+        "and\nthe",
+        "dog's",
+        "123",
+        "(sleep)",
+        "\n\n",
+        "",
+        "ok",
+    ]
+    text = " ".join(rng.choice(words, size=3000))  # ~15k characters, odd spaces included
+    chunks = text_chunks(text, 512)
+    assert "".join(chunks) == text and len(chunks) > 25
+    assert all(c[0] == " " and not c[1].isspace() for c in chunks[1:])  # cut before " word"
+    whole = tok.hf.encode(text, add_special_tokens=False).ids + [tok.eos_id]
+    flat, ends = encode_joined(tok.hf, [text, "x"], tok.eos_id, np.uint32, chunk_chars=512,
+                               batch_chars=2048)  # fmt: skip
+    assert flat[: ends[0]].tolist() == whole and ends.tolist() == [len(whole), flat.size]
+
+
+def test_text_without_spaces_is_cut_at_the_chunk_size():
+    assert text_chunks("東京" * 700, 512) == ["東京" * 256, "東京" * 256, "東京" * 188]
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_a_separator_written_in_a_document_is_encoded_as_text(name):
+    tok = TOKENIZERS[name]()
+    ids = tok.encode_documents([f"the word {EOS} the dog", EOS]).tolist()
+    assert ids.count(tok.eos_id) == 2 and ids[-1] == tok.eos_id
+    assert tok.hf.encode_special_tokens is False  # the tokenizer is left as it was
+
+
+def test_a_separator_that_is_an_ordinary_token_is_refused():
+    vocab = {"a": 0, "<eos>": 1}
+    hf = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "<eos>" is a word of it, not special
+    with pytest.raises(ValueError, match=r"encodes to the separator id 1: .* an ordinary"):
+        encode_joined(hf, ["a <eos> a"], 1, np.uint16)

@@ -16,6 +16,8 @@ SOURCES = ("builtin", "synthetic", "text", "tokens")
 TOKENIZERS = ("byte", "bpe")
 TOKEN_DTYPES = ("uint16", "uint32")
 MAX_VOCAB_SIZE = 2**31 - 1
+BUILTIN_PATH = "builtin"
+"""`path: builtin` in `data.mixture`: the built-in corpus, tokenized with the mixture's tokenizer."""
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -53,8 +55,10 @@ def _check_types(cfg: "DataConfig") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
-    """One source of `data.mixture`: a token corpus (as `data.path` of source "tokens") and its
-    weight, the share of training tokens it provides (weights are normalized)."""
+    """One source of `data.mixture`: a token corpus (as `data.path` of source "tokens"), or
+    "builtin" (the built-in corpus, tokenized with the tokenizer of the other sources or
+    `data.tokenizer_path`), and its weight, the share of training tokens it provides (weights
+    are normalized)."""
 
     path: str
     weight: float = 1.0

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from nvfp4_train.data.builtin_text import kjv_chapters
-from nvfp4_train.data.config import DataConfig
+from nvfp4_train.data.config import BUILTIN_PATH, DataConfig
 from nvfp4_train.data.packing import (
     FULL_CHECK_MAX_TOKENS,
     check_token_ids,
@@ -23,7 +23,13 @@ from nvfp4_train.data.packing import (
     split_range,
 )
 from nvfp4_train.data.prepared import PreparedCorpus, file_sha256, is_prepared, open_prepared
-from nvfp4_train.data.sources import read_documents, synthetic_stream, text_files, token_array
+from nvfp4_train.data.sources import (
+    existing,
+    read_documents,
+    synthetic_stream,
+    text_files,
+    token_array,
+)
 from nvfp4_train.data.streams import PieceStream
 from nvfp4_train.data.tokenization import (
     ByteTokenizer,
@@ -101,10 +107,13 @@ def _prepared_tokenizer(cfg: DataConfig, path: str, prepared: PreparedCorpus) ->
     return load_tokenizer(prepared.tokenizer_file, prepared.eos_token)
 
 
-def _corpus_tokens(cfg: DataConfig, path: str) -> tuple[Tokenizer, np.ndarray | PieceStream]:
+def _corpus_tokens(
+    cfg: DataConfig, path: str, key: str
+) -> tuple[Tokenizer, np.ndarray | PieceStream]:
     if is_prepared(path):
         prepared = open_prepared(path)
         return _prepared_tokenizer(cfg, path, prepared), prepared.stream
+    existing(path, key)
     if cfg.tokenizer_path:
         tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.eos_token)
     elif cfg.tokens_vocab_size:
@@ -117,11 +126,11 @@ def _corpus_tokens(cfg: DataConfig, path: str) -> tuple[Tokenizer, np.ndarray | 
     return tokenizer, token_array(path, cfg.tokens_dtype, tokenizer.eos_id)
 
 
-def tokens_corpus(cfg: DataConfig, path: str | None = None) -> Corpus:
-    """A pre-tokenized corpus (at `path`, default `cfg.path`); its ids are checked up front when
-    it has at most 2**28 tokens, else as sequences are read."""
+def tokens_corpus(cfg: DataConfig, path: str | None = None, key: str = "data.path") -> Corpus:
+    """A pre-tokenized corpus (at `path`, default `cfg.path`, the config key `key`); its ids are
+    checked up front when it has at most 2**28 tokens, else as sequences are read."""
     path = cfg.path if path is None else path
-    tokenizer, tokens = _corpus_tokens(cfg, path)
+    tokenizer, tokens = _corpus_tokens(cfg, path, key)
     vocab_size = cfg.tokens_vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise DataError(
@@ -130,6 +139,14 @@ def tokens_corpus(cfg: DataConfig, path: str | None = None) -> Corpus:
         )
     if tokens.size <= FULL_CHECK_MAX_TOKENS:
         check_token_ids(tokens, vocab_size, f"data.path {path!r}")
+    train, validation = _split_stream(tokens, cfg.validation_fraction)
+    return Corpus(tokenizer, vocab_size, train, validation)
+
+
+def builtin_tokens_corpus(cfg: DataConfig, tokenizer: Tokenizer, vocab_size: int) -> Corpus:
+    """The built-in corpus tokenized with `tokenizer` (a mixture source, `path: builtin`): all of
+    it, each chapter followed by the separator, split by tokens like any token corpus."""
+    tokens = tokenizer.encode_documents(kjv_chapters())
     train, validation = _split_stream(tokens, cfg.validation_fraction)
     return Corpus(tokenizer, vocab_size, train, validation)
 
@@ -155,3 +172,53 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     raise ValueError(
         f"data.source must be one of builtin, synthetic, text, tokens, got {cfg.source!r}"
     )
+
+
+def _mixture_tokenizer(cfg: DataConfig, corpora: dict[int, Corpus]) -> tuple[Tokenizer, int]:
+    """The tokenizer (and vocabulary size) that tokenizes `path: builtin` in a mixture: the
+    other sources' (a prepared corpus's own, or data.tokenizer_path)."""
+    textual = cfg.tokenizer_path or any(
+        is_prepared(s.path) for s in cfg.mixture if s.path != BUILTIN_PATH
+    )
+    if not textual:
+        raise DataError(
+            "data.mixture: 'builtin' is tokenized with the mixture's tokenizer, but no source "
+            "brings one (token files without data.tokenizer_path); set "
+            "data.tokenizer_path, or add a corpus prepared with nvfp4-train prepare-data"
+        )
+    if corpora:
+        first = next(iter(corpora.values()))
+        return first.tokenizer, first.vocab_size
+    tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.eos_token)
+    return tokenizer, cfg.tokens_vocab_size or tokenizer.vocab_size
+
+
+def mixture_corpora(cfg: DataConfig) -> list[Corpus]:
+    """The corpus of every mixture source, after checking they share one tokenizer."""
+    paths = [source.path for source in cfg.mixture]
+    opened = {
+        k: tokens_corpus(cfg, path, key="data.mixture")
+        for k, path in enumerate(paths)
+        if path != BUILTIN_PATH
+    }
+    if BUILTIN_PATH in paths:
+        builtin = builtin_tokens_corpus(cfg, *_mixture_tokenizer(cfg, opened))
+        opened |= {k: builtin for k, path in enumerate(paths) if path == BUILTIN_PATH}
+    corpora = [opened[k] for k in range(len(paths))]
+    first = corpora[0]
+    for source, corpus in zip(cfg.mixture[1:], corpora[1:], strict=True):
+        same = corpus.vocab_size == first.vocab_size and _tokenizer_text(
+            corpus.tokenizer
+        ) == _tokenizer_text(first.tokenizer)
+        if not same:
+            raise DataError(
+                f"data.mixture: {source.path!r} has another tokenizer or vocabulary than "
+                f"{cfg.mixture[0].path!r} (vocab {corpus.vocab_size} vs {first.vocab_size}); "
+                "every source of a mixture must be tokenized alike"
+            )
+    return corpora
+
+
+def _tokenizer_text(tokenizer: Tokenizer) -> str:
+    hf = getattr(tokenizer, "hf", None)
+    return hf.to_str() if hf is not None else repr(tokenizer)

@@ -1,14 +1,17 @@
 """Weighted mixtures of token corpora: which source every row of every batch comes from.
 
 The rows of the global batch stream (row r of step s is row `s * global_batch + r`) follow a fixed
-schedule of `PERIOD` slots in which source k holds `round(weight_k * PERIOD)` slots, spread by
+schedule of `PERIOD` slots in which source k holds about `weight_k * PERIOD` slots, spread by
 smooth weighted round-robin, so every run of n consecutive rows holds each source's share to
 within about one row: the realised token proportions equal the weights over any window, not only
 on average. Row g takes the next unread sequence of its source, in an order reshuffled every
 epoch of that source (a permutation seeded by the run seed, the source and the epoch), so a small
 source repeats sooner than a large one, as its weight asks. Every row is a pure function of its
 index, so a resumed iterator continues exactly, and each process reads its own rows of the same
-global stream: the batches do not depend on the number of processes.
+global stream: the batches do not depend on the number of processes. Weights are normalized
+without overflow (any finite positive numbers); a source whose share rounds to no slot would never
+be read and is refused (`check_shares`, naming it). `rows_by_source(n)` counts each source's rows
+among the first n, a function of n alone (the trainer logs it as `tokens_by_source`).
 
 Example:
     >>> schedule = round_robin([0.5, 0.25, 0.25], period=8)
@@ -21,17 +24,39 @@ from collections.abc import Sequence
 import numpy as np
 
 from nvfp4_train.data.packing import PackedSequences
+from nvfp4_train.errors import DataError
 
 PERIOD = 1 << 14
 """Slots of the schedule: weights are realised to within 1 / PERIOD (6e-5)."""
 
 
+def shares(weights: Sequence[float]) -> np.ndarray:
+    """`weights` normalized to sum to 1 (float64), without overflow however large they are.
+
+    Raises:
+        ValueError: a weight that is not a finite number > 0, or no weights.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or not np.all(w > 0):
+        raise ValueError(f"mixture weights must be finite numbers > 0, got {list(weights)}")
+    w = w / w.max()  # in (0, 1]: the sum cannot overflow
+    return w / w.sum()
+
+
+def slot_counts(weights: Sequence[float], period: int = PERIOD) -> np.ndarray:
+    """Slots of the schedule each source holds (int64, summing to `period`): its share of
+    `period`, rounded down, the spare slots going to the largest remainders. A source whose share
+    is far below one slot gets 0: `MixedSequences` refuses that (it would never be read)."""
+    exact = shares(weights) * period
+    counts = np.floor(exact).astype(np.int64)
+    remainders = np.argsort(-(exact - counts), kind="stable")
+    counts[remainders[: period - counts.sum()]] += 1
+    return counts
+
+
 def round_robin(weights: Sequence[float], period: int = PERIOD) -> np.ndarray:
-    """The source of each of `period` slots (int32): weight_k * period slots each, interleaved."""
-    w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
-    counts = np.floor(w * period).astype(np.int64)
-    remainders = np.argsort(-(w * period - counts), kind="stable")
-    counts[remainders[: period - counts.sum()]] += 1  # largest remainders take the spare slots
+    """The source of each of `period` slots (int32): `slot_counts` each, interleaved."""
+    counts = slot_counts(weights, period)
     current = np.zeros(len(counts), dtype=np.int64)
     schedule = np.empty(period, dtype=np.int32)
     for slot in range(period):
@@ -40,6 +65,26 @@ def round_robin(weights: Sequence[float], period: int = PERIOD) -> np.ndarray:
         current[pick] -= period
         schedule[slot] = pick
     return schedule
+
+
+def check_shares(paths: Sequence[str], weights: Sequence[float]) -> np.ndarray:
+    """The sources' shares of training tokens, after checking every one gets a slot."""
+    for path, weight, slots, share in zip(
+        paths, weights, slot_counts(weights), shares(weights), strict=True
+    ):
+        if slots == 0:
+            raise DataError(
+                f"data.mixture: {path!r} (weight {weight:g}) has a share of "
+                f"{share:.3g} of the training tokens, under one of the {PERIOD:,} slots of the "
+                f"schedule (a share of {1 / PERIOD:.2g}): it would never be read; raise its "
+                "weight or remove it"
+            )
+    return shares(weights)
+
+
+def source_names(paths: Sequence[str]) -> tuple[str, ...]:
+    """Each mixture source's path; a path listed twice gets its index too."""
+    return tuple(p if paths.count(p) == 1 else f"{p} [{k}]" for k, p in enumerate(paths))
 
 
 class MixedSequences:
@@ -70,6 +115,13 @@ class MixedSequences:
     ) -> None:
         if length and any(len(s) == 0 for s in sources):
             raise ValueError("every source of a mixture needs at least one sequence")
+        unread = np.flatnonzero(slot_counts(weights) == 0)
+        if unread.size:
+            share = shares(weights)[unread[0]]
+            raise ValueError(
+                f"mixture source {int(unread[0])} has a share of {share:.3g}, under one of the "
+                f"{PERIOD:,} slots of the schedule: it would never be read"
+            )
         self._sources, self._weights = list(sources), [float(w) for w in weights]
         self._seed, self._shuffle = seed, shuffle
         self._rows, self._index, self._count = rows, process_index, process_count
@@ -90,6 +142,15 @@ class MixedSequences:
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def realised_shares(self) -> np.ndarray:
+        """The share of rows (= of tokens) each source gets: its slots of the schedule / PERIOD."""
+        return self._per_period / PERIOD
+
+    def rows_by_source(self, rows: int) -> np.ndarray:
+        """How many of global rows [0, rows) each source provides (int64 [K])."""
+        return (rows // PERIOD) * self._per_period + self._before[:, rows % PERIOD]
 
     def source_of(self, row: int) -> tuple[int, int]:
         """(source, sequence index within it) of global row `row`."""

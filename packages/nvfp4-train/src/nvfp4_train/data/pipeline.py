@@ -23,8 +23,8 @@ import numpy as np
 from absl import flags
 
 from nvfp4_train.data.config import DataConfig
-from nvfp4_train.data.corpus import Corpus, TokenRange, load_corpus, tokens_corpus
-from nvfp4_train.data.mixture import MixedSequences
+from nvfp4_train.data.corpus import Corpus, TokenRange, load_corpus, mixture_corpora
+from nvfp4_train.data.mixture import MixedSequences, check_shares, source_names
 from nvfp4_train.data.packing import PackedSequences
 from nvfp4_train.data.tokenization import Tokenizer
 from nvfp4_train.errors import DataError
@@ -115,6 +115,7 @@ class Datasets:
         num_validation_batches: how many batches `validation_batches()` returns.
         documents: the start-up line saying whether batches carry document masks and why.
         mixed: `train_sequences` is a `MixedSequences` (`data.mixture`).
+        mixture_sources: the names of its sources (their paths), in order.
     """
 
     vocab_size: int
@@ -130,6 +131,7 @@ class Datasets:
     num_validation_batches: int
     documents: str
     mixed: bool = False
+    mixture_sources: tuple[str, ...] = ()
 
     def _sampler(self) -> grain.samplers.IndexSampler:
         if self.mixed:  # `MixedSequences` already holds this process's rows, in their order
@@ -172,6 +174,15 @@ class Datasets:
     def train_iterator(self) -> grain.DataLoaderIterator:
         """A fresh iterator from the start; restore a run with `it.set_state(saved_state)`."""
         return iter(self.train_loader())
+
+    def tokens_by_source(self, steps: int) -> dict[str, int]:
+        """Training tokens each mixture source has given in the first `steps` steps of the run,
+        all processes together ({} without a mixture): a function of `steps` alone."""
+        if not self.mixed:
+            return {}
+        rows = self.train_sequences.rows_by_source(steps * self.batch_size * self.process_count)
+        seq_len = self.train_sequences.seq_len
+        return {name: int(r) * seq_len for name, r in zip(self.mixture_sources, rows, strict=True)}
 
     def validation_batches(self) -> list[Batch]:
         """The fixed validation batches of this process: the same arrays on every call."""
@@ -253,7 +264,7 @@ def make_datasets(
 
 def _datasets(
     cfg: DataConfig, corpus: Corpus, train, validation, documents: str, *, seq_len: int,
-    seed: int, rows: int, process: tuple[int, int], mixed: bool = False,
+    seed: int, rows: int, process: tuple[int, int], mixture_sources: tuple[str, ...] = (),
 ) -> Datasets:  # fmt: skip
     return Datasets(
         vocab_size=corpus.vocab_size,
@@ -268,39 +279,20 @@ def _datasets(
         num_workers=cfg.num_workers,
         num_validation_batches=_validation_batch_count(cfg, validation, seq_len, rows, process[1]),
         documents=documents,
-        mixed=mixed,
+        mixed=bool(mixture_sources),
+        mixture_sources=mixture_sources,
     )
-
-
-def _mixture_corpora(cfg: DataConfig) -> list[Corpus]:
-    """The corpus of every mixture source, after checking they share one tokenizer."""
-    corpora = [tokens_corpus(cfg, source.path) for source in cfg.mixture]
-    first = corpora[0]
-    for source, corpus in zip(cfg.mixture[1:], corpora[1:], strict=True):
-        same = corpus.vocab_size == first.vocab_size and _tokenizer_text(
-            corpus.tokenizer
-        ) == _tokenizer_text(first.tokenizer)
-        if not same:
-            raise DataError(
-                f"data.mixture: {source.path!r} has another tokenizer or vocabulary than "
-                f"{cfg.mixture[0].path!r} (vocab {corpus.vocab_size} vs {first.vocab_size}); "
-                "every source of a mixture must be tokenized alike"
-            )
-    return corpora
-
-
-def _tokenizer_text(tokenizer: Tokenizer) -> str:
-    hf = getattr(tokenizer, "hf", None)
-    return hf.to_str() if hf is not None else repr(tokenizer)
 
 
 def _mixed_datasets(
     cfg: DataConfig, seq_len: int, seed: int, rows: int, process_index: int, process_count: int
 ) -> Datasets:
-    corpora = _mixture_corpora(cfg)
+    paths = [source.path for source in cfg.mixture]
+    weights = [source.weight for source in cfg.mixture]
+    source_shares = check_shares(paths, weights)
+    corpora = mixture_corpora(cfg)
     tokenizer, vocab_size = corpora[0].tokenizer, corpora[0].vocab_size
     eos_id, documents = document_separator(cfg, tokenizer.eos_id)
-    weights = [source.weight for source in cfg.mixture]
     trains = [_sequences(c.train, seq_len, vocab_size, eos_id) for c in corpora]
     for source, train in zip(cfg.mixture, trains, strict=True):
         if len(train) == 0:
@@ -309,15 +301,22 @@ def _mixed_datasets(
                 f"than one sequence of seq_len+1={seq_len + 1}"
             )
     validations = [_sequences(c.validation, seq_len, vocab_size, eos_id) for c in corpora]
-    shares = np.asarray(weights) / sum(weights)
-    held = min(int(len(v) / share) for v, share in zip(validations, shares, strict=True))
+    held = min(int(len(v) / share) for v, share in zip(validations, source_shares, strict=True))
     train = MixedSequences(
         trains, weights, seed=seed, shuffle=cfg.shuffle, rows=rows,
         process_index=process_index, process_count=process_count,
     )  # fmt: skip
     validation = MixedSequences(validations, weights, seed=seed, shuffle=False, length=held)
-    documents = f"{documents}; mixture of {len(corpora)} sources (data.mixture)"
+    names = source_names(paths)
+    realised = ", ".join(
+        f"{name} {100 * share:.3g}%"
+        for name, share in zip(names, train.realised_shares, strict=True)
+    )
+    documents = (
+        f"{documents}; mixture of {len(corpora)} sources (data.mixture), shares of training "
+        f"tokens: {realised}"
+    )
     return _datasets(
         cfg, corpora[0], train, validation, documents, seq_len=seq_len, seed=seed, rows=rows,
-        process=(process_index, process_count), mixed=True,
+        process=(process_index, process_count), mixture_sources=names,
     )  # fmt: skip

@@ -2,7 +2,8 @@
 
 `nvfp4-train prepare-data` writes a directory:
 
-    manifest.json       written last: format, tokenizer hash, sources, shards, totals
+    manifest.json       written last: format, tokenizer hash, settings, sources (path, size,
+                        SHA-256, counts), shards, totals, skipped input files
     tokenizer.json      the tokenizer that wrote the ids (a copy)
     shard-00000.bin     raw little-endian ids (uint16 below 65,536 ids, else uint32); every
     shard-00001.bin     document is followed by the separator `eos_token`, and no document

@@ -22,16 +22,18 @@ ARRAY_RECORD_SUFFIX = ".array_record"
 TOKEN_FILE_KINDS = (".npy", ".bin", ARRAY_RECORD_SUFFIX, "a directory of .array_record shards")
 
 
-def _existing(path: str, key: str = "data.path") -> Path:
+def existing(path: str, key: str = "data.path") -> Path:
+    """`path` (with `~` expanded), which must exist: else a DataError naming `key`."""
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise DataError(f"{key}: {path!r} does not exist")
+        hint = " (the built-in corpus is data.source=builtin)" if path == "builtin" else ""
+        raise DataError(f"{key}: {path!r} does not exist{hint}")
     return resolved
 
 
 def text_files(path: str, text_glob: str) -> list[Path]:
     """The text files of a "text" source: `path` itself, or the sorted matches of `text_glob`."""
-    root = _existing(path)
+    root = existing(path)
     if root.is_file():
         return [root]
     files = sorted(p for p in root.glob(text_glob) if p.is_file())
@@ -128,7 +130,7 @@ def token_array(path: str, dtype: str, eos_id: int | None) -> np.ndarray | Piece
         eos_id: separator appended after each ArrayRecord record (None: no separator); `.npy`
             and `.bin` streams are used as they are.
     """
-    root = _existing(path)
+    root = existing(path)
     if root.is_dir() or root.name.endswith(ARRAY_RECORD_SUFFIX):
         tokens = _load_array_record(root, dtype, eos_id)
     elif root.suffix == ".npy":

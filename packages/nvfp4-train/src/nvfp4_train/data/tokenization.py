@@ -16,9 +16,8 @@ Example:
 """
 
 import dataclasses
-import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +28,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from nvfp4_train.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+CHUNK_CHARS = 1 << 18
+"""A longer document is encoded in pieces of at most this many characters (`text_chunks`)."""
+BATCH_CHARS = 1 << 21
+"""Characters per `encode_batch` call: the tokenizer's memory (~140 bytes a character while it
+encodes) is bounded by a call (~300 MB), whatever the length of a document."""
 
 
 class Tokenizer(Protocol):
@@ -64,20 +68,95 @@ def _join_with_separator(pieces: Sequence[np.ndarray], eos_id: int | None, dtype
     return np.concatenate([np.asarray(p, dtype=dtype) for p in pieces])
 
 
-def encode_joined(
-    hf: tokenizers.Tokenizer, texts: Sequence[str], eos_id: int | None, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """(the ids of `texts` encoded as one batch (every core), each followed by `eos_id` unless it
-    is None, as one `dtype` array; the end offset of each text's ids, separator included).
+def text_chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
+    """`text` in pieces of at most `size` characters, each cut (where one lies in the second half
+    of the window) before a single space between two non-space characters.
 
-    The end offsets, not the separators, mark the documents: a text may itself contain the
-    separator's string, which a Hugging Face tokenizer encodes as the special token.
+    Byte-level BPE with GPT-2's pre-tokenizer, Metaspace (SentencePiece style) and whitespace
+    pre-tokenizers all start a pre-token there, and merges never cross pre-tokens, so encoding the
+    pieces one by one gives the ids of the whole text. A window without such a space (no spaces at
+    all, e.g. Chinese or base64) is cut at `size`, and the ids there may differ from the whole.
     """
-    ids = [e.ids for e in hf.encode_batch(list(texts), add_special_tokens=False)]
-    tail = () if eos_id is None else (eos_id,)
-    lengths = np.fromiter((len(i) + len(tail) for i in ids), dtype=np.int64, count=len(ids))
-    flat = itertools.chain.from_iterable(itertools.chain.from_iterable((i, tail) for i in ids))
-    return np.fromiter(flat, dtype=dtype, count=int(lengths.sum())), np.cumsum(lengths)
+    chunks, start = [], 0
+    while len(text) - start > size:
+        cut = _cut(text, start + size // 2, start + size)
+        chunks.append(text[start:cut])
+        start = cut
+    chunks.append(text[start:])
+    return chunks
+
+
+def _cut(text: str, low: int, high: int) -> int:
+    at = text.rfind(" ", low, high)
+    while at > low:
+        if not (text[at - 1].isspace() or text[at + 1].isspace()):
+            return at
+        at = text.rfind(" ", low, at)
+    return high
+
+
+def _groups(pieces: list, limit: int) -> Iterator[list]:
+    """`pieces` ((document, last, text) triples) in runs of at most `limit` characters (or one)."""
+    group, size = [], 0
+    for piece in pieces:
+        if group and size + len(piece[2]) > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece[2])
+    if group:
+        yield group
+
+
+def encode_joined(
+    hf: tokenizers.Tokenizer,
+    texts: Sequence[str],
+    eos_id: int | None,
+    dtype: np.dtype,
+    *,
+    chunk_chars: int = CHUNK_CHARS,
+    batch_chars: int = BATCH_CHARS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids of `texts`, each followed by `eos_id` unless it is None, as one `dtype` array;
+    the end offset of each text's ids, separator included).
+
+    Text never produces a special token: a literal `<|endoftext|>` in a document is encoded as
+    the characters it is (the tokenizer's `encode_special_tokens`), so the only separators are
+    the ones appended here. Texts are encoded (Rust, every core) in calls of at most
+    `batch_chars` characters, a long text in `text_chunks` of `chunk_chars`: memory is bounded by
+    a call, not by the longest document.
+
+    Raises:
+        DataError: the text of a document encodes to `eos_id` (a separator that is an ordinary,
+            not a special, token of the tokenizer).
+    """
+    pieces = []  # (document, is its last piece, text)
+    for doc, text in enumerate(texts):
+        chunks = text_chunks(text, chunk_chars)
+        pieces += [(doc, k == len(chunks) - 1, chunk) for k, chunk in enumerate(chunks)]
+    tail = np.array([] if eos_id is None else [eos_id], dtype=dtype)
+    parts, lengths = [], np.zeros(len(texts), dtype=np.int64)
+    special = getattr(hf, "encode_special_tokens", None)
+    if special is not None:
+        hf.encode_special_tokens = True
+    try:
+        for group in _groups(pieces, batch_chars):
+            encodings = hf.encode_batch([text for _, _, text in group], add_special_tokens=False)
+            for (doc, last, _), encoding in zip(group, encodings, strict=True):
+                ids = np.array(encoding.ids, dtype=dtype)
+                if eos_id is not None and (ids == eos_id).any():
+                    raise DataError(
+                        f"the text of a document encodes to the separator id {eos_id}: the "
+                        "tokenizer holds the separator as an ordinary token, not a special one; "
+                        "choose a special token as the separator"
+                    )
+                parts += [ids, tail] if last else [ids]
+                lengths[doc] += ids.size + (tail.size if last else 0)
+    finally:
+        if special is not None:
+            hf.encode_special_tokens = special
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return flat, np.cumsum(lengths)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

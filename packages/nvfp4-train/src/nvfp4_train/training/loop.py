@@ -85,7 +85,8 @@ class TrainingLoop:
         self.writer = CheckpointWriter(cfg, ckpts, self.phases, reference_tokens(cfg, datasets))
         self.watch = Watch(cfg, ckpts)
         quantized = any(r.quantized for p in self.schedule for r in p.recipes.values())
-        self.window = MetricsWindow(cfg, devices=mesh.size, quantized=quantized)
+        self.window = MetricsWindow(cfg, devices=mesh.size, quantized=quantized,
+                                    tokens_by_source=datasets.tokens_by_source)  # fmt: skip
 
     def _probe(self, phase: Phase, state: Any, batch: Any, step: int) -> tuple[Any, float]:
         """(telemetry of step `step`, seconds it took): what the step is about to quantize (its

@@ -23,6 +23,7 @@ from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.checkpoint.items import Restored
 from nvfp4_train.config.loader import to_dict
 from nvfp4_train.config.run_config import Config, upgraded
+from nvfp4_train.data.iterator_state import restore_iterator_state
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import tree_shardings
 from nvfp4_train.model.hf_weights import load_hf_params
@@ -219,7 +220,7 @@ def resume_or_init(
         state = jax.jit(lambda: initial_state(cfg)[1], out_shardings=shardings)()
         return graphdef, state, 0
     restored_state = jax.device_put(restored.state, shardings)
-    iterator.set_state(restored.data_iter_state)
+    restore_iterator_state(iterator, restored.data_iter_state)  # names a changed data setting
     dropped = truncate_metrics(metrics_path, restored.step) if jax.process_index() == 0 else 0
     say(f"resumed from {ckpts.directory / str(restored.step)} (step {restored.step})")
     if dropped:

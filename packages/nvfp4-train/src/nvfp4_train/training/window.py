@@ -5,6 +5,7 @@ scale and the validation loss)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,10 +28,13 @@ class MetricsWindow:
         cfg: the run config.
         devices: how many devices the run uses.
         quantized: whether any GEMM of the run quantizes (for `mfu_fp4`).
+        tokens_by_source: step -> {source: tokens read so far} of a `data.mixture` (the data's
+            `Datasets.tokens_by_source`; empty without a mixture), added to each row.
     """
 
-    def __init__(self, cfg: Config, *, devices: int, quantized: bool) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, *, devices: int, quantized: bool,
+                 tokens_by_source: Callable[[int], dict] = lambda step: {}) -> None:  # fmt: skip
+        self.cfg, self.tokens_by_source = cfg, tokens_by_source
         self.throughput = Throughput(
             flops_per_token=train_flops_per_token(cfg.model, seq_len=cfg.train.seq_len),
             devices=devices,
@@ -62,6 +66,8 @@ class MetricsWindow:
             skipped_total=int(host[-1]["skipped_total"]),
         )  # fmt: skip
         row |= summarize_moe(host) | self.throughput.fields(row["tokens_per_s"])
+        if by_source := self.tokens_by_source(step):
+            row["tokens_by_source"] = by_source
         if self.cfg.optimizer.loss_scaling.mode != "none":
             row["loss_scale"] = float(host[-1]["loss_scale"])
         self.steps = []
