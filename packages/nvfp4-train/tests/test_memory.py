@@ -32,7 +32,7 @@ def test_parameters_and_optimizer_are_counted_exactly_and_split_by_fsdp():
     assert one.parameters == one.gradients == 4 * n
     assert 0 <= one.optimizer - 2 * 4 * n < 64  # Adam's mu and nu in float32, a few counters
     sharded = estimate_memory(cfg(mesh={"data": 1, "fsdp": -1}), 4)
-    assert sharded.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert sharded.mesh == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
     assert sharded.parameters < one.parameters / 3  # norm scales stay replicated
     assert sharded.sequences == 16 // 2 // 4
 

@@ -148,4 +148,10 @@ def te_context(
     order = _order(backend_spec(backend))
     if "te" not in order or mesh.size == 1 or not nvfp4_ops.backend_capability("te")[0]:
         return contextlib.nullcontext()
+    if mesh.shape.get("expert", 1) > 1:
+        raise ConfigError(
+            "precision.backend 'te' cannot run on a mesh with mesh.expert > 1 (TE's MeshResource "
+            f"has one data-parallel axis, the batch is split over data, fsdp and expert), got "
+            f"{dict(mesh.shape)}"
+        )
     return nvfp4_ops.te_sharding(mesh, data=data, fsdp=fsdp)

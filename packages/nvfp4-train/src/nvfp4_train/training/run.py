@@ -24,7 +24,7 @@ import jax
 from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, make_run_dir
 from nvfp4_train.config.loader import to_yaml
 from nvfp4_train.config.run_config import Config
-from nvfp4_train.mesh.sharding import bytes_per_device, make_mesh
+from nvfp4_train.mesh.sharding import bytes_per_device, check_expert_split, make_mesh
 from nvfp4_train.precision.backend_check import te_context
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
@@ -69,6 +69,7 @@ def _run(cfg: Config, run_dir: Path, stream: TextIO) -> RunSummary:
     cfg, datasets = with_data(cfg)
     iterator = datasets.train_iterator()
     mesh = make_mesh(cfg.mesh, jax.devices())  # ConfigError if it does not fit the devices
+    check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
     written = cfg  # config.yaml keeps precision.backend as configured
     say(f"run directory: {run_dir.resolve()}")
     cfg = with_trusted_backend(cfg, say)
