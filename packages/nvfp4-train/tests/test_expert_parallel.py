@@ -7,8 +7,9 @@
   batch in token order, with its own stochastic-rounding keys); only the router's gradient, a
   sum over the batch that data parallelism splits, differs (FP32 summation order).
 - A tiny NVFP4 MoE run (2 blocks, 4 experts, seq 16) on expert=4 x data=2 against the same run
-  on one device: step 1 to 1e-6 relative; later steps drift as data parallelism's do (the dense
-  8-device test in test_sharding.py): measured <= 3e-5 relative over 12 steps, tested at 2e-4.
+  on one device: step 1 to 1e-6 relative (measured 1.1e-7); later steps drift as data
+  parallelism's do: measured <= 1.6e-4 relative over 12 steps, tested at 1e-3 as the dense
+  8-device test in test_sharding.py is.
 - The same run SIGKILLed on that mesh after its first checkpoint resumes to bit-identical losses.
 - `model.moe.num_experts` not a multiple of `mesh.expert`: one error line.
 """
@@ -114,9 +115,9 @@ def test_expert_parallel_run_matches_one_device(runs):
     assert [s for s, _ in eight] == [s for s, _ in one] == list(range(1, STEPS + 1))
     one, eight = np.array([loss for _, loss in one]), np.array([loss for _, loss in eight])
     np.testing.assert_allclose(eight[0], one[0], rtol=1e-6)
-    np.testing.assert_allclose(eight, one, rtol=2e-4)
+    np.testing.assert_allclose(eight, one, rtol=1e-3)
     np.testing.assert_allclose(
-        list(val_losses(runs.sharded).values()), list(val_losses(runs.one).values()), rtol=2e-4
+        list(val_losses(runs.sharded).values()), list(val_losses(runs.one).values()), rtol=1e-3
     )
     final_one = saved_params(runs.one, STEPS)
     final_eight = ocp.StandardCheckpointer().restore(  # onto this process's one device
