@@ -162,6 +162,37 @@ def test_the_gemm_pieces_and_windows_are_the_dense_gemm_bit_for_bit():
         start += int(g)
 
 
+def test_a_slice_of_the_experts_with_its_group_offset_equals_those_groups_bit_for_bit():
+    """Expert parallelism: a device holding experts [2, 4) calls ragged_dot on their rows with
+    group_offset=2 (traced, as `jax.lax.axis_index` gives it) and gets the full call's y, dx and
+    dw of those groups; without the offset its stochastic roundings differ."""
+    full = grouped_step("nvfp4")(X, W, jnp.array(SIZES, jnp.int32), KEY, DY)
+
+    @jax.jit
+    def sliced(x, w, group_sizes, dy, group_offset):
+        def f(a, b):
+            return nvfp4_ops.ragged_dot(a, b, group_sizes, recipe="nvfp4", key=KEY,
+                                        backend="emulated", preferred_element_type=F32,
+                                        group_offset=group_offset)  # fmt: skip
+
+        y, pullback = jax.vjp(f, x, w)
+        return (y, *pullback(dy))
+
+    start, stop = sum(SIZES[:2]), sum(SIZES)  # rows of groups 2 and 3, then 7 padding rows
+    sizes = jnp.array(SIZES[2:], jnp.int32)
+    got = sliced(X[start:], W[2:], sizes, DY[start:], jnp.int32(2))
+    rows = stop - start
+    want = (full[0][start:stop], full[1][start:stop], full[2][2:])
+    assert_bitwise_equal((got[0][:rows], got[1][:rows], got[2]), want, "groups 2-3")
+    assert np.all(np.asarray(got[0][rows:]) == 0)
+    _, dx, dw = sliced(X[start:], W[2:], sizes, DY[start:], jnp.int32(0))
+    assert np.any(_bits(dx[:rows]) != _bits(want[1])) and np.any(_bits(dw) != _bits(want[2]))
+    with pytest.raises(ValueError, match="group_offset must be >= 0, got -1"):
+        nvfp4_ops.ragged_dot(X, W, sizes.repeat(2), recipe="nvfp4", key=KEY, group_offset=-1)
+    with pytest.raises(TypeError, match="group_offset must be an int or an integer scalar"):
+        nvfp4_ops.ragged_dot(X, W, sizes.repeat(2), recipe="nvfp4", key=KEY, group_offset=1.0)
+
+
 def test_the_non_partitionable_threefry_draws_are_rebuilt_too():
     with jax.threefry_partitionable(False):
         got = grouped_step("nvfp4")(X, W, jnp.array(SIZES, jnp.int32), KEY, DY)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -36,7 +38,30 @@ def last_step(run_dir: Path) -> int:
     return max((r["step"] for r in rows if "loss" in r), default=0)
 
 
-def start_run(config: Path) -> subprocess.Popen:
-    """`nvfp4-train run CONFIG` as a child process (stdout and stderr piped)."""
+def start_run(config: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`nvfp4-train run CONFIG` as a child process (stdout and stderr piped), with `env` added
+    to this process's environment."""
     command = [sys.executable, "-m", "nvfp4_train", "run", str(config)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) -> dict[str, int]:
+    """`targets`: {name: (process, run_dir, step, sig)}. Sends each process its signal as soon as
+    its run has logged its step (watching all at once, so a slow start of one run cannot let
+    another run to its end); returns {name: the last logged step at that moment}."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 600
+    while len(seen) < len(targets):
+        for name, (process, run_dir, step, sig) in targets.items():
+            last = last_step(run_dir) if name not in seen else None
+            if last is not None and last >= step:
+                process.send_signal(sig)
+                seen[name] = last
+            elif name not in seen and (process.poll() is not None or time.monotonic() > deadline):
+                out, err = process.communicate()
+                raise AssertionError(f"{name} ended before step {step}: {out[-1500:]}{err[-3000:]}")
+        time.sleep(0.005)
+    return seen

@@ -84,7 +84,7 @@ def test_two_processes_on_localhost_match_one(trained_runs, tmp_path):
                 p.kill()
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    assert "mesh: data=2, fsdp=1, tensor=1 over 2 devices (2 processes)" in outs[0][0]
+    assert "mesh: data=2, fsdp=1, expert=1, tensor=1 over 2 devices (2 processes)" in outs[0][0]
     rows = read_metrics(run_dir / "metrics.jsonl")  # written once, by process 0
     two = [r["loss"] for r in rows if "loss" in r]
     one = [r["loss"] for r in read_metrics(trained_runs.cli_dir / "metrics.jsonl") if "loss" in r]

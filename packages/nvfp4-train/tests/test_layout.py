@@ -20,7 +20,7 @@ import nvfp4_train
 PACKAGE = Path(nvfp4_train.__file__).parent
 
 FLOORS = (
-    ("errors", "tree_paths"),
+    ("errors", "tree_paths", "mesh_axes"),
     ("data", "model"),
     ("precision", "mesh", "optim"),
     ("checkpoint", "observe"),

@@ -16,6 +16,7 @@ from nvfp4_train.training import memory
 from nvfp4_train.training.memory import GIB, estimate_memory
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.step import count_params
+from nvfp4_train.tree_paths import flat_paths
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = {"vocab_size": 256, "d_model": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -35,7 +36,7 @@ def test_parameters_and_optimizer_are_counted_exactly_and_split_by_fsdp():
     assert one.parameters == one.gradients == 4 * n
     assert 0 <= one.optimizer - 2 * 4 * n < 64  # Adam's mu and nu in float32, a few counters
     sharded = estimate_memory(cfg(mesh={"data": 1, "fsdp": -1}), 4)
-    assert sharded.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert sharded.mesh == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
     assert sharded.parameters < one.parameters / 3  # norm scales stay replicated
     assert sharded.sequences == 16 // 2 // 4
 
@@ -150,3 +151,65 @@ def test_show_config_estimates_the_gpu_attention_and_lists_the_others(tmp_path, 
     assert table[1].split() == ["#", "none", "dots", "quantized", "full"]
     assert [row.split()[1] for row in table[2:]] == ["naive", "cudnn", "chunked"]
     assert yaml.safe_load(printed)["model"]["attention"] == "auto"
+
+
+MOE = {"num_experts": 8, "experts_per_token": 2, "expert_mlp_dim": 32}
+
+
+def _moe_cfg(remat="quantized", mesh=None, **moe):
+    model = {**MODEL, "remat": remat, "moe": {**MOE, **moe}}
+    precision = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    return config_from_dict({"model": model, "precision": precision, "mesh": mesh or {},
+                             "train": {"batch_size": 16, "seq_len": 64}})  # fmt: skip
+
+
+def test_expert_parameters_split_over_the_expert_axis_exactly():
+    """Routed experts' kernels [E, in, out] split by expert, their optimizer moments and gradients
+    with them; everything else as with expert=1 (the expert axis is data parallelism there)."""
+    one = estimate_memory(_moe_cfg(mesh={"data": 1}), 1)
+    split = estimate_memory(_moe_cfg(mesh={"data": 1, "expert": 4}), 4)
+    params = abstract_state(_moe_cfg())[1].params
+    expert = sum(4 * leaf.size for path, leaf in flat_paths(params).items() if ".experts." in path)
+    assert expert == 4 * MODEL["num_layers"] * 8 * (64 * 64 + 32 * 64)
+    assert one.parameters == one.gradients == 4 * count_params(params)
+    assert split.parameters == one.parameters - expert + expert // 4
+    assert split.optimizer - (one.optimizer - 2 * expert + 2 * expert // 4) in range(-64, 64)
+
+
+def test_moe_activations_count_the_routed_rows_and_the_dispatch_buffers():
+    """remat quantized, one device: an MoE block keeps the FP4 operands of its grouped GEMMs for
+    the k routed copies of each token, R = T k rows of (d + F) elements, instead of a dense MLP's
+    (d + f) per token; with data=2 x expert=4 each device's experts see all T = 8 T_l tokens and
+    its buffer holds every row its experts could take (one expert per device: R = T)."""
+    d, f, big_f, k, t = 64, 128, 32, 2, 16 * 64  # t: tokens per device (16 sequences)
+    dense = estimate_memory(_moe_cfg(num_experts=0), 1).activations
+    moe = estimate_memory(_moe_cfg(), 1).activations
+    per_block = t * k * (d + big_f) * 9 / 16 - t * (d + f) * 9 / 16
+    assert moe - dense == int(4 * per_block) or moe - dense == int(4 * per_block) + 1
+    ep = estimate_memory(_moe_cfg(mesh={"data": 2, "expert": 4}), 8)
+    t_local = 2 * 64  # 16 sequences over 8 devices
+    rows = 8 * t_local  # all tokens of the batch, each taking at most one row per expert
+    per_block = rows * (d + big_f) * 9 / 16 - t_local * (d + f) * 9 / 16
+    ep_dense = estimate_memory(_moe_cfg(mesh={"data": 2, "expert": 4}, num_experts=0), 8)
+    assert abs(ep.activations - ep_dense.activations - 4 * per_block) <= 1
+    kept = {r: estimate_memory(_moe_cfg(r), 1).activations
+            for r in ("none", "dots", "quantized", "full")}  # fmt: skip
+    assert kept["none"] > kept["dots"] > kept["quantized"] > kept["full"]
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
+    with pytest.raises(ConfigError, match=r"num_experts=8 must be a multiple of mesh.expert=16"):
+        estimate_memory(_moe_cfg(mesh={"data": 1, "expert": -1}), 16)
+
+
+QWEN3_GIB = {"parameters": 2.4, "optimizer": 4.8, "activations": 32.2, "transient": 4.6,
+             "total": 46.5}  # fmt: skip
+
+
+def test_the_qwen3_moe_config_estimate_is_the_one_its_comment_states():
+    cfg = load_config(REPO / "examples/configs/qwen3-30b-a3b.yaml")
+    estimate = estimate_memory(cfg, 64)
+    assert estimate.mesh == {"data": 1, "fsdp": 8, "expert": 8, "tensor": 1}
+    gib = {k: round(getattr(estimate, k) / GIB, 1)
+           for k in ("parameters", "optimizer", "activations", "transient", "total")}  # fmt: skip
+    assert gib == QWEN3_GIB

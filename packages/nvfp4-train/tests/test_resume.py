@@ -11,14 +11,12 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import yaml
-from run_reading import last_step, start_run, train_losses
+from run_reading import signal_each, start_run, train_losses
 
 from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.config.run_config import config_from_dict
@@ -33,25 +31,6 @@ SECTIONS = {
     "checkpoint": {"every_steps": 10, "keep": 2},
     "logging": {"progress": "plain", "tensorboard": False},
 }
-
-
-def _signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) -> dict[str, int]:
-    """`targets`: {name: (process, run_dir, step, sig)}. Sends each process its signal as soon as
-    its run has logged its step (watching all at once, so a slow start of one run cannot let
-    another run to its end); returns {name: the last logged step at that moment}."""
-    seen: dict[str, int] = {}
-    deadline = time.monotonic() + 600
-    while len(seen) < len(targets):
-        for name, (process, run_dir, step, sig) in targets.items():
-            last = last_step(run_dir) if name not in seen else None
-            if last is not None and last >= step:
-                process.send_signal(sig)
-                seen[name] = last
-            elif name not in seen and (process.poll() is not None or time.monotonic() > deadline):
-                out, err = process.communicate()
-                raise AssertionError(f"{name} ended before step {step}: {out[-1500:]}{err[-3000:]}")
-        time.sleep(0.005)
-    return seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +65,7 @@ def killed_runs(tmp_path_factory, tiny_config) -> KilledRuns:
     assert procs["reference"].returncode == 0, outs["reference"][1][-3000:]
     procs.update({name: start_run(configs[name]) for name in ("killed", "terminated")})
     try:
-        seen = _signal_each({
+        seen = signal_each({
             "killed": (procs["killed"], root / "killed", kill_step, signal.SIGKILL),
             "terminated": (procs["terminated"], root / "terminated", term_step, signal.SIGTERM),
         })  # fmt: skip

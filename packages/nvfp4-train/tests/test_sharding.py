@@ -1,5 +1,6 @@
-"""The device mesh: axis sizes, sharding rules, and a run on 8 fake CPU devices (data=2, fsdp=2,
-tensor=2, in a subprocess) that matches the 1-device run of the same config."""
+"""The device mesh: axis sizes, sharding rules (the routed experts' over `expert`), and a run on 8
+fake CPU devices (data=2, fsdp=2, tensor=2, in a subprocess) that matches the 1-device run of the
+same config. Expert-parallel runs: tests/test_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ from nvfp4_train.config.run_config import ConfigError, config_from_dict
 from nvfp4_train.mesh.sharding import AXES, MeshConfig, batch_sharding, param_spec, tree_shardings
 from nvfp4_train.observe.metrics import read_metrics
 
-MESH_2x2x2 = AbstractMesh((2, 2, 2), AXES)
+MESH_2x2x2 = AbstractMesh((2, 2, 1, 2), AXES)
+MESH_EXPERT = AbstractMesh((1, 2, 4, 1), AXES)  # fsdp=2 x expert=4
 
 
 @pytest.mark.parametrize(
     ("cfg", "devices", "expected"),
     [
-        (MeshConfig(), 8, (8, 1, 1)),
-        (MeshConfig(data=2, fsdp=-1, tensor=2), 8, (2, 2, 2)),
-        (MeshConfig(data=1, fsdp=1, tensor=-1), 4, (1, 1, 4)),
-        (MeshConfig(data=1), 1, (1, 1, 1)),
+        (MeshConfig(), 8, (8, 1, 1, 1)),
+        (MeshConfig(data=2, fsdp=-1, tensor=2), 8, (2, 2, 1, 2)),
+        (MeshConfig(data=1, fsdp=1, tensor=-1), 4, (1, 1, 1, 4)),
+        (MeshConfig(data=1), 1, (1, 1, 1, 1)),
+        (MeshConfig(data=2, expert=-1), 8, (2, 1, 4, 1)),
     ],
 )
 def test_mesh_sizes_resolve(cfg, devices, expected):
@@ -58,6 +61,38 @@ def test_parameter_rules():
     assert param_spec(("lm_head", "kernel"), (32, 63), MESH_2x2x2) == P("fsdp", None)
     assert batch_sharding(MESH_2x2x2, 8).spec == P(("data", "fsdp"), None)
     assert batch_sharding(MESH_2x2x2, 3).spec == P(None, None)
+
+
+def test_expert_rules():
+    """Routed experts [E, in, out] split along E over `expert` (d_model over fsdp, as the dense
+    MLP's); the router's d_model over fsdp; shared experts as a dense MLP; the batch over
+    data x fsdp x expert (expert is data parallelism outside the MoE blocks)."""
+    mlp = ("layers", "1", "mlp")
+    assert param_spec((*mlp, "experts", "gate_up", "kernel"), (8, 32, 64), MESH_EXPERT) == P(
+        "expert", "fsdp", None
+    )
+    assert param_spec((*mlp, "experts", "down", "kernel"), (8, 32, 32), MESH_EXPERT) == P(
+        "expert", None, "fsdp"
+    )
+    stacked = ("layers", "1-3", "mlp", "experts", "down", "kernel")
+    assert param_spec(stacked, (3, 8, 32, 32), MESH_EXPERT) == P(None, "expert", None, "fsdp")
+    assert param_spec((*mlp, "router", "kernel"), (32, 8), MESH_EXPERT) == P("fsdp", None)
+    assert param_spec((*mlp, "router", "score_bias"), (8,), MESH_EXPERT) == P()
+    assert param_spec((*mlp, "shared", "gate_up", "kernel"), (32, 64), MESH_2x2x2) == P(
+        "fsdp", "tensor"
+    )
+    assert param_spec((*mlp, "shared_gate", "kernel"), (32, 1), MESH_EXPERT) == P()
+    assert batch_sharding(MESH_EXPERT, 8).spec == P(("fsdp", "expert"), None)
+
+
+def test_experts_must_split_evenly_over_the_expert_axis():
+    moe = {"num_experts": 6, "expert_mlp_dim": 16}
+    with pytest.raises(
+        ConfigError, match=r"^model.moe.num_experts=6 must be a multiple of mesh.expert=4 \("
+    ):
+        config_from_dict({"model": {"moe": moe}, "mesh": {"data": 1, "expert": 4}})
+    config_from_dict({"model": {"moe": moe}, "mesh": {"data": 1, "expert": 3}})
+    config_from_dict({"mesh": {"data": 1, "expert": 4}})  # a dense model: data parallelism
 
 
 def test_optimizer_moments_follow_their_parameters():
@@ -92,7 +127,7 @@ def test_eight_device_mesh_matches_one_device(trained_runs, tmp_path):
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "mesh: data=2, fsdp=2, tensor=2 over 8 devices" in done.stdout
+    assert "mesh: data=2, fsdp=2, expert=1, tensor=2 over 8 devices" in done.stdout
     assert "per device: parameters" in done.stdout
     (loss8, val8), (loss1, val1) = _losses(run_dir), _losses(trained_runs.cli_dir)
     assert len(loss8) == len(loss1) == trained_runs.steps

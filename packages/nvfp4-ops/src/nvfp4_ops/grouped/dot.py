@@ -27,6 +27,7 @@ def ragged_dot(
     key: jax.Array | None = None,
     backend: str | tuple[str, ...] = "auto",
     preferred_element_type=None,
+    group_offset: int | jax.Array = 0,
 ) -> jax.Array:
     """y[t] = x[t] . w[e] for the rows t of group e, through the recipe's three quantized GEMMs.
 
@@ -49,8 +50,9 @@ def ragged_dot(
       call adds (zeros change no amax and no sum; the RHT spreads them inside the group's last
       tile only). The groups sit in one static buffer of floor((T + E (a - 1)) / a) tiles of
       a rows: at most E (a - 1) rows more than x, whatever the traced group sizes.
-    - stochastic rounding: group e's keys are `split_keys(fold_in(key, e))`, as its dense call
-      splits them; the random bytes of x, dY and their transposes are rebuilt from threefry
+    - stochastic rounding: group e's keys are `split_keys(fold_in(key, group_offset + e))`, as
+      its dense call splits them (`group_offset` 0: `fold_in(key, e)`); the random bytes of x,
+      dY and their transposes are rebuilt from threefry
       counters at each element's index in its group's dense operand (so `key` must be a
       threefry2x32 key when a token operand rounds stochastically), O(T) work.
 
@@ -73,12 +75,18 @@ def ragged_dot(
         the first of `auto_order()` that can run the call, a native backend only once
         verified), or a tuple tried in order.
       preferred_element_type: output dtype; default the promoted dtype of x and w.
+      group_offset: the global index of group 0 when w holds a slice of the experts (an int >= 0
+        or a traced int32 scalar, as `jax.lax.ragged_dot_general`'s): group e then rounds with
+        the keys of group `group_offset + e` of the whole call, so a call on a shard of the
+        experts equals those groups of the call on all of them, bit for bit. Only the keys
+        depend on it.
 
     Returns:
       y [T, N]; gradients come back in the dtypes of x and w.
 
     Raises:
-      TypeError: non-floating x or w, or group_sizes not int32.
+      TypeError: non-floating x or w, group_sizes not int32, or group_offset not an integer
+        scalar.
       ValueError: shapes that do not fit (naming the argument, the expected and the actual),
         or a backend that cannot run the call.
 
@@ -92,6 +100,7 @@ def ragged_dot(
     if not hasattr(group_sizes, "dtype"):  # a list of Python ints
         group_sizes = jnp.asarray(group_sizes, jnp.int32)
     _check_operands(x, w, group_sizes, recipe)
+    group_offset = _offset(group_offset)
     key = as_key(key, recipe)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(x, w))
     if x.shape[0] == 0:  # nothing to quantize: the exact (empty) product
@@ -103,7 +112,7 @@ def ragged_dot(
         return _unquantized(x, w, group_sizes, name, preferred_element_type)
     if key is not None and _stochastic_tokens(recipe):
         check_threefry(key)
-    return _grouped(x, w, group_sizes, key, recipe, name, out_dtype)
+    return _grouped(x, w, group_sizes, key, group_offset, recipe, name, out_dtype)
 
 
 def _stochastic_tokens(recipe: Recipe) -> bool:
@@ -114,15 +123,15 @@ def _stochastic_tokens(recipe: Recipe) -> bool:
     )
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _grouped(x, w, group_sizes, key, recipe, backend, out_dtype) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _grouped(x, w, group_sizes, key, group_offset, recipe, backend, out_dtype) -> jax.Array:
     """The quantized grouped custom_vjp (one jit per shape and recipe)."""
     shape = GroupShape(x.shape[0], w.shape[0], recipe.alignment)
     cfg = GroupedConfig(
         recipe, backend, out_dtype, np.dtype(x.dtype), np.dtype(w.dtype), shape
     )  # fmt: skip
     with jax.named_scope(f"nvfp4/ragged_dot[{recipe.name}]"):
-        return grouped_quantized_dot(x, w, group_sizes, key, cfg)
+        return grouped_quantized_dot(x, w, group_sizes, key, group_offset, cfg)
 
 
 def _unquantized(x, w, group_sizes, backend, preferred) -> jax.Array:
@@ -145,6 +154,20 @@ def _unquantized(x, w, group_sizes, backend, preferred) -> jax.Array:
 def _plain(x, w, group_sizes, cfg: PlainConfig) -> jax.Array:
     with jax.named_scope("nvfp4/ragged_dot[unquantized]"):
         return grouped_plain_dot(x, w, group_sizes, cfg)
+
+
+def _offset(group_offset) -> jax.Array:
+    """`group_offset` as an int32 scalar; ValueError / TypeError naming it otherwise."""
+    if isinstance(group_offset, int | np.integer) and not isinstance(group_offset, bool):
+        if group_offset < 0:
+            raise ValueError(f"group_offset must be >= 0, got {group_offset}")
+        return jnp.asarray(group_offset, jnp.int32)
+    dtype, shape = getattr(group_offset, "dtype", None), getattr(group_offset, "shape", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or shape != ():
+        raise TypeError(
+            f"group_offset must be an int or an integer scalar array, got {group_offset!r}"
+        )
+    return jnp.asarray(group_offset).astype(jnp.int32)
 
 
 def _check_operands(x, w, group_sizes, recipe: Recipe) -> None:

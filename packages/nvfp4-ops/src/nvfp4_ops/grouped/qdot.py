@@ -12,10 +12,11 @@ Every outer (tensor) scale is per group: each expert's weight, and each group's 
 gradients, from that group's amax. Each group is padded with zero rows to the alignment inside a
 static buffer of ~T + E (a - 1) rows (`layout`), which is exactly the dense call's zero padding of
 that group, so no block or RHT tile takes rows of two groups. Keys: group e uses
-`fold_in(key, e)`, split per operand as the dense call splits its key (`random_bits`).
+`fold_in(key, group_offset + e)`, split per operand as the dense call splits its key
+(`random_bits`).
 
 Residuals for the backward pass: the quantized x^T tiles for Wgrad, each expert's quantized Dgrad
-weight, group_sizes and the key; never a BF16/FP32 copy of x.
+weight, group_sizes, the key and the group offset; never a BF16/FP32 copy of x.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def _unquantized_fprop(x_tiles, w, layout):
         return rows_by_group(x_tiles, layout, product, tile)
 
 
-def _fwd(x, w, group_sizes, key, cfg: GroupedConfig):
+def _fwd(x, w, group_sizes, key, group_offset, cfg: GroupedConfig):
     recipe, gemms = cfg.recipe, GROUPED_GEMMS[cfg.backend]
     layout = group_layout(group_sizes, cfg.shape)
-    ops, keys = operand_quants(recipe), expert_keys(key, cfg.shape.groups)
+    ops, keys = operand_quants(recipe), expert_keys(key, cfg.shape.groups, group_offset)
     computed = {op.name for op in quantizations(recipe).values()}
     fprop_x, fprop_w, dgrad_w = ops["fprop_x"], ops["fprop_w"], ops["dgrad_w"]
     x_tiles = to_tiles(x, layout)
@@ -94,7 +95,7 @@ def _fwd(x, w, group_sizes, key, cfg: GroupedConfig):
     with jax.named_scope("nvfp4/save_residuals"):
         qw_dgrad = qw if dgrad_w.reuses else quantize_weights(dgrad_w, w, keys)
         qxt = _wgrad_input(ops["wgrad_x"], x_tiles, layout, keys)
-    return y, (*named_residuals((qxt, qw_dgrad)), group_sizes, key)
+    return y, (*named_residuals((qxt, qw_dgrad)), group_sizes, key, group_offset)
 
 
 def _wgrad_input(op, x_tiles, layout, keys) -> Any:
@@ -107,9 +108,9 @@ def _wgrad_input(op, x_tiles, layout, keys) -> Any:
 
 def _bwd(cfg: GroupedConfig, residuals, dy):
     recipe, gemms = cfg.recipe, GROUPED_GEMMS[cfg.backend]
-    qxt, qw_dgrad, group_sizes, key = residuals
+    qxt, qw_dgrad, group_sizes, key, group_offset = residuals
     layout = group_layout(group_sizes, cfg.shape)
-    ops, keys = operand_quants(recipe), expert_keys(key, cfg.shape.groups)
+    ops, keys = operand_quants(recipe), expert_keys(key, cfg.shape.groups, group_offset)
     dgrad_dy, dgrad_w = ops["dgrad_dy"], ops["dgrad_w"]
     wgrad_x, wgrad_dy = ops["wgrad_x"], ops["wgrad_dy"]
     dy_tiles = to_tiles(dy.astype(cfg.grad_dtype), layout)
@@ -123,13 +124,14 @@ def _bwd(cfg: GroupedConfig, residuals, dy):
         xt = qxt if wgrad_x.tq.quantized else rotated(wgrad_x, qxt)
         dw = gemms.wgrad(decode_tokens(xt, wgrad_x), decode_tokens(qdyt, wgrad_dy), layout)
     dx = from_tiles(dx_tiles, layout)
-    return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None, None
+    return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def grouped_quantized_dot(x, w, group_sizes, key, cfg: GroupedConfig) -> jax.Array:
-    """y [T, N] = x [T, K] . w[group] through the recipe's quantized GEMMs, group by group."""
-    return _fwd(x, w, group_sizes, key, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def grouped_quantized_dot(x, w, group_sizes, key, group_offset, cfg: GroupedConfig) -> jax.Array:
+    """y [T, N] = x [T, K] . w[group] through the recipe's quantized GEMMs, group by group;
+    `group_offset` (int32 scalar): the global index of group 0, for the keys."""
+    return _fwd(x, w, group_sizes, key, group_offset, cfg)[0]
 
 
 grouped_quantized_dot.defvjp(_fwd, _bwd)

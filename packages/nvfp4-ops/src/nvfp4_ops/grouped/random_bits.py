@@ -38,8 +38,12 @@ from nvfp4_ops.quantizers import words_as_uniform
 THREEFRY = "threefry2x32"
 
 
-def expert_keys(key: jax.Array | None, groups: int) -> dict[str, jax.Array | None]:
-    """{key slot: the keys of groups 0..E-1, [E]}: group e's are `split_keys(fold_in(key, e))`.
+def expert_keys(
+    key: jax.Array | None, groups: int, group_offset: jax.Array | int = 0
+) -> dict[str, jax.Array | None]:
+    """{key slot: the keys of groups 0..E-1, [E]}: group e's are
+    `split_keys(fold_in(key, group_offset + e))` (`group_offset`: the global index of group 0
+    when the groups are a slice of all experts).
 
     Example:
       >>> keys = expert_keys(jax.random.key(0), 3)
@@ -49,7 +53,8 @@ def expert_keys(key: jax.Array | None, groups: int) -> dict[str, jax.Array | Non
     if key is None:
         return dict.fromkeys(KEY_SLOTS)
     by_group = jax.vmap(lambda e: split_keys(jax.random.fold_in(key, e)))
-    return by_group(jnp.arange(groups, dtype=jnp.uint32))
+    offset = jnp.asarray(group_offset).astype(jnp.uint32)
+    return by_group(jnp.arange(groups, dtype=jnp.uint32) + offset)
 
 
 def check_threefry(key: jax.Array) -> None:

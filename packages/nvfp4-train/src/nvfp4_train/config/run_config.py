@@ -27,7 +27,7 @@ from nvfp4_train.config.loader import apply_overrides, build, read_yaml
 from nvfp4_train.data import DataConfig
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.distributed import DistributedConfig
-from nvfp4_train.mesh.sharding import MeshConfig
+from nvfp4_train.mesh.sharding import MeshConfig, check_expert_split
 from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.model.hf_config import HFConfigError, fill_data_section, fill_model_section
 from nvfp4_train.observe.health import QuantHealthConfig
@@ -168,6 +168,7 @@ class Config:
                 f"train.seq_len must be <= model.max_seq_len={self.model.max_seq_len}, "
                 f"got {self.train.seq_len}"
             )
+        check_expert_split(self.model.moe.num_experts, self.mesh.expert)
 
 
 MOVED_KEYS = {

@@ -1,21 +1,25 @@
 """The device mesh and the sharding rules of parameters, optimizer state, batches and activations.
 
-The mesh has three named axes: `data` (pure data parallelism: parameters replicated), `fsdp` (data
-parallelism with parameters and optimizer state sharded), `tensor` (the output features of
-`attn.qkv` / `mlp.gate_up` / `lm_head` and the input features of `attn.o` / `mlp.down`). The batch
-axis is sharded over `("data", "fsdp")`. Rules are logical: a dimension that an axis does not divide
-stays replicated along that axis. Everything else is JAX's SPMD partitioner (jit with in/out
-shardings); no collective is written by hand. The NVFP4 per-tensor amax is `jnp.max` over the
-GLOBAL array inside jit, so sharded and unsharded runs compute the same global scale.
+The mesh has four named axes (`mesh_axes.AXES`): `data` (pure data parallelism: parameters
+replicated), `fsdp` (data parallelism with parameters and optimizer state sharded), `expert` (the
+routed experts of the MoE blocks split along their expert axis; data parallelism everywhere
+else), `tensor` (the output features of `attn.qkv` / `mlp.gate_up` / `lm_head` and the input
+features of `attn.o` / `mlp.down`). The batch axis is sharded over `("data", "fsdp", "expert")`.
+Rules are logical: a dimension that an axis does not divide stays replicated along that axis.
+Everything else is JAX's SPMD partitioner (jit with in/out shardings); the one collective written
+by hand is the MoE blocks' expert-parallel dispatch (`model.expert_parallel`). The NVFP4
+per-tensor amax is `jnp.max` over the GLOBAL array inside jit, so sharded and unsharded runs
+compute the same global scale.
 
 Example:
     >>> mesh = make_mesh(MeshConfig(data=-1), jax.devices())
     >>> dict(mesh.shape)
-    {'data': 1, 'fsdp': 1, 'tensor': 1}
+    {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1}
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -27,11 +31,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_train.errors import ConfigError
+from nvfp4_train.mesh_axes import AXES, EXPERT_AXIS, TOKEN_AXES
 from nvfp4_train.model.stacking import is_stacked
 from nvfp4_train.tree_paths import key_names
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = TOKEN_AXES
 
 # kernel [in, out] rules by the last path component of its module (embedding is [vocab, d_model])
 _RULES = {
@@ -41,6 +45,13 @@ _RULES = {
     "lm_head": ("fsdp", "tensor"),
     "o": ("tensor", "fsdp"),
     "down": ("tensor", "fsdp"),
+    "router": ("fsdp", None),
+}
+# the routed experts' kernels [E, in, out] (`mlp.experts.{gate_up,down}`): experts over `expert`,
+# d_model over `fsdp` (as the dense MLP's), the expert's hidden units whole (never `tensor`)
+_EXPERT_RULES = {
+    "gate_up": (EXPERT_AXIS, "fsdp", None),
+    "down": (EXPERT_AXIS, None, "fsdp"),
 }
 
 
@@ -52,11 +63,15 @@ class MeshConfig:
         data: data-parallel replicas; -1 = all devices the other axes leave.
         fsdp: fully-sharded data parallelism (parameters and optimizer state split); -1 as above.
         tensor: tensor parallelism inside the linears; -1 as above.
+        expert: expert parallelism: the routed experts of every MoE block split over this many
+            devices (`model.moe.num_experts` a multiple of it), which are data-parallel
+            everywhere else; -1 as above.
     """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
         sizes = {a: getattr(self, a) for a in AXES}
@@ -66,8 +81,8 @@ class MeshConfig:
         if list(sizes.values()).count(-1) > 1:
             raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
 
-    def resolve(self, device_count: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) sizes for `device_count` devices.
+    def resolve(self, device_count: int) -> tuple[int, int, int, int]:
+        """(data, fsdp, expert, tensor) sizes (`AXES` order) for `device_count` devices.
 
         Raises:
             ConfigError: the sizes do not multiply to `device_count`.
@@ -83,14 +98,14 @@ class MeshConfig:
             sizes = [device_count // fixed if s == -1 else s for s in sizes]
         if math.prod(sizes) != device_count:
             raise ConfigError(
-                f"mesh: data * fsdp * tensor must equal the {device_count} devices, got "
+                f"mesh: data * fsdp * expert * tensor must equal the {device_count} devices, got "
                 f"{dict(zip(AXES, sizes, strict=True))}"
             )
         return tuple(sizes)
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
-    """The `(data, fsdp, tensor)` mesh over `devices` (e.g. `jax.devices()`, all processes).
+    """The `(data, fsdp, expert, tensor)` mesh over `devices` (e.g. `jax.devices()`, all processes).
 
     Raises:
         ConfigError: `cfg` does not fit `len(devices)` devices (`MeshConfig.resolve`).
@@ -112,18 +127,31 @@ def _fit(spec: Sequence[str | tuple | None], shape: Sequence[int], mesh: Mesh) -
 
 def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:
     """The PartitionSpec of the parameter at `path` (e.g. `("layers", "0", "attn", "qkv",
-    "kernel")`); norm scales and unknown leaves are replicated. A stacked block's parameter
+    "kernel")`); norm scales and unknown leaves are replicated. A routed expert's kernel
+    `mlp.experts.*.kernel` [E, in, out] is split along E over `expert` (`_EXPERT_RULES`). A stacked block's parameter
     (`("layers", "1-30", ...)`, a leading layer axis) is split like one layer's, never along
     the layer axis."""
     if is_stacked(path) and len(shape) >= 1:
-        return P(None, *param_spec(path[-2:], shape[1:], mesh))
+        return P(None, *param_spec(path[-3:], shape[1:], mesh))
     owner = path[-2] if len(path) >= 2 and path[-1] in ("kernel", "embedding") else None
     if path and path[-1] == "embedding":
         owner = "embedding"
+    if len(path) >= 3 and path[-3] == "experts" and len(shape) == 3:
+        return _fit(_EXPERT_RULES.get(owner, (EXPERT_AXIS, None, None)), shape, mesh)
     rule = _RULES.get(owner) if owner else None
     if rule is None or len(shape) != 2:
         return P()
     return _fit(rule, shape, mesh)
+
+
+def check_expert_split(num_experts: int, expert: int) -> None:
+    """ConfigError unless the `expert` axis divides `num_experts` routed experts (a dense model,
+    `num_experts` 0, fits any)."""
+    if num_experts and expert > 0 and num_experts % expert:
+        raise ConfigError(
+            f"model.moe.num_experts={num_experts} must be a multiple of mesh.expert={expert} "
+            "(each expert-parallel device holds num_experts / mesh.expert experts)"
+        )
 
 
 def tree_shardings(tree: Any, params: Any, mesh: Mesh) -> Any:
@@ -147,12 +175,14 @@ def tree_shardings(tree: Any, params: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh, batch_size: int) -> NamedSharding:
-    """[batch, length] arrays: rows split over `data` x `fsdp` (replicated if they do not divide)."""
+    """[batch, length] arrays: rows split over `data` x `fsdp` x `expert` (replicated if they do
+    not divide)."""
     return NamedSharding(mesh, _fit((BATCH_AXES, None), (batch_size, 1), mesh))
 
 
 def logits_sharding(mesh: Mesh, batch_size: int, vocab_size: int) -> NamedSharding:
-    """[batch, length, vocab] activations: rows over `data` x `fsdp`, vocab over `tensor`."""
+    """[batch, length, vocab] activations: rows over `data` x `fsdp` x `expert`, vocab over
+    `tensor`."""
     return NamedSharding(
         mesh, _fit((BATCH_AXES, None, "tensor"), (batch_size, 1, vocab_size), mesh)
     )
@@ -194,14 +224,14 @@ def host_value(x: Any) -> np.ndarray:
 
 def attention_specs(mesh: Mesh, batch_size: int, num_heads: int, num_kv_heads: int) -> tuple[P, P]:
     """(spec of q, k and v [B, L, heads, head_dim], spec of segment ids [B, L]) for the fused
-    attention kernels: rows over data x fsdp (as `batch_sharding`), heads over `tensor` only when
+    attention kernels: rows over data x fsdp x expert (as `batch_sharding`), heads over `tensor` only when
     it divides BOTH head counts, length and head_dim whole. TE's kernel pairs query head h with
     kv head h // (H / G) of the same device and its partition rule keeps the shardings it is
     given (q split over heads with k, v not: wrong pairs, no error); jax's cuDNN rule raises
     unless q, k and v are split alike.
 
     Example:
-        >>> mesh = jax.sharding.AbstractMesh((1, 1, 4), AXES)
+        >>> mesh = jax.sharding.AbstractMesh((1, 1, 1, 4), AXES)
         >>> attention_specs(mesh, 8, num_heads=32, num_kv_heads=8)[0]
         P(None, None, 'tensor', None)
     """
@@ -228,7 +258,8 @@ def attention_heads_note(
 
 def activation_constraint(mesh: Mesh | None) -> Callable[[str, Any], Any]:
     """`constrain(kind, x)`: `with_sharding_constraint` of a batch ("tokens" [B, L]) or logits
-    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp, vocab over tensor), or of
+    ("logits" [B, L, V]) activation on `mesh` (rows over data x fsdp x expert, vocab over
+    tensor), or of
     a fused attention's operands ("attention": (q, k, v, segment ids or None), laid out by
     `attention_specs`); the identity without a mesh."""
 
@@ -251,3 +282,12 @@ def _attention_constraint(mesh: Mesh, q, k, v, segment_ids):
     if segment_ids is not None:
         segment_ids = jax.lax.with_sharding_constraint(segment_ids, NamedSharding(mesh, rows))
     return q, k, v, segment_ids
+
+
+def trace_context(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """The context a step function is traced in: `mesh` as JAX's abstract mesh
+    (`jax.sharding.use_abstract_mesh`), from which the MoE blocks take the `expert` axis of
+    their expert-parallel dispatch (`model.expert_parallel`); nothing without a mesh."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

@@ -15,7 +15,8 @@ The routed experts run as two grouped GEMMs (`nvfp4_ops.ragged_dot`: the recipe'
 per expert, with per-expert tensor scales), dispatched and combined by `model.dispatch`; the
 shared experts are a `layers.MLP`. Every quantized linear follows the precision policy like a
 dense one (paths `layers.{i}.mlp.experts.gate_up`, `...experts.down`, `...shared.gate_up`,
-`...shared.down`).
+`...shared.down`). Traced under a mesh whose `expert` axis splits the experts, the routed experts
+run expert-parallel (`model.expert_parallel`) with the numerics of one device.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.dispatch import combine, dispatch, gather_rows
+from nvfp4_train.model.expert_parallel import expert_mesh, sharded_routed_experts
 from nvfp4_train.model.layers import (
     MLP,
     OPERAND_W,
@@ -180,11 +182,8 @@ class MoEMLP(nnx.Module):
         b, l, d = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(b * l, d)
         routing = self.router(x_TxD)
-        d_ = dispatch(routing.experts_TxK, num_experts=moe.num_experts,
-                      capacity=expert_capacity(moe, b * l))  # fmt: skip
-        x_AxD = gather_rows(x_TxD.astype(self.dtype), d_, moe.experts_per_token)
-        y_AxD = self.experts(x_AxD, d_.group_sizes, keys[0:2])
-        out_TxD = combine(y_AxD, routing.weights_TxK, d_, self.dtype)
+        capacity = expert_capacity(moe, b * l)
+        out_TxD = self._routed(x_TxD, routing, capacity, keys[0:2])
         if moe.shared_experts:
             shared = self.shared(x_TxD, keys[2:4])
             if moe.shared_expert_gate:
@@ -193,20 +192,61 @@ class MoEMLP(nnx.Module):
                     self.dtype
                 )
             out_TxD = out_TxD + shared
-        self._sow_stats(routing, d_)
+        self._sow_stats(routing, capacity)
         return out_TxD.reshape(b, l, d)
 
-    def _sow_stats(self, routing, d_) -> None:
+    def _routed(self, x_TxD: jax.Array, routing: Routing, capacity: int, keys) -> jax.Array:
+        """[T, D] in the compute dtype: each token's routed experts' outputs, weighted and
+        summed; expert-parallel on a context mesh with an `expert` axis, else on all experts."""
+        x_TxD, mesh = x_TxD.astype(self.dtype), expert_mesh()
+        if mesh is not None:
+            linears = (self.experts.gate_up, self.experts.down)
+            kernels = ((linears[0].kernel[...], 1), (linears[1].kernel[...], 2))  # d_model dims
+            done = sharded_routed_experts(mesh, x_TxD, routing, kernels, keys,
+                                          _shard_experts(*linears), capacity=capacity,
+                                          dtype=self.dtype)  # fmt: skip
+            if done is not None:
+                out_TxD, amax = done
+                for linear, value in zip(linears, amax, strict=True):
+                    sow_input_amax(linear, value)
+                return out_TxD.astype(self.dtype)
+        d_ = dispatch(routing.experts_TxK, num_experts=self.moe.num_experts, capacity=capacity)
+        x_AxD = gather_rows(x_TxD, d_, self.moe.experts_per_token)
+        y_AxD = self.experts(x_AxD, d_.group_sizes, keys)
+        return combine(y_AxD, routing.weights_TxK, d_, self.dtype)
+
+    def _sow_stats(self, routing, capacity: int) -> None:
         counts_E = expert_counts(routing.experts_TxK, self.moe.num_experts)
+        kept = jnp.minimum(counts_E, float(capacity)).sum()  # the dispatch's group sizes
         stats = {
             "expert_tokens": counts_E,
-            "dropped_tokens": counts_E.sum() - d_.group_sizes.sum().astype(jnp.float32),
+            "dropped_tokens": counts_E.sum() - kept,
             "aux_loss": load_balancing_loss(routing, counts_E),
             "z_loss": z_loss(routing),
             "router_entropy": router_entropy(routing),
         }
         for name, value in stats.items():
             self.sow(nnx.Intermediate, name, value, reduce_fn=_latest, init_fn=_zero_like(value))
+
+
+def _shard_experts(gate_up: GroupedLinear, down: GroupedLinear):
+    """The routed experts' SwiGLU on one device's shard of them, as `GroupedLinear` computes it
+    (recipe, backend, dtype), on explicit kernels [El, ...] (`expert_parallel.ExpertsFn`)."""
+
+    def linear(module, x, kernel, sizes, key, offset):
+        x = x.astype(module.dtype)
+        y = nvfp4_ops.ragged_dot(
+            x, kernel.astype(module.dtype), sizes, recipe=module.recipe, key=key,
+            backend=module.backend, preferred_element_type=jnp.float32, group_offset=offset,
+        )  # fmt: skip
+        return y.astype(module.dtype), group_amax(x, sizes)
+
+    def run(x_RxD, sizes, kernels, keys, offset):
+        hidden, amax_in = linear(gate_up, x_RxD, kernels[0], sizes, keys[0], offset)
+        y, amax_hidden = linear(down, swiglu(hidden), kernels[1], sizes, keys[1], offset)
+        return y, (amax_in, amax_hidden)
+
+    return run
 
 
 def _latest(previous, value):

@@ -155,4 +155,10 @@ def te_context(
         order = _order(backend_spec(backend))
         if "te" not in order or not nvfp4_ops.backend_capability("te")[0]:
             return contextlib.nullcontext()
+    if mesh.shape.get("expert", 1) > 1:
+        raise ConfigError(
+            "TransformerEngine (precision.backend or model.attention 'te') cannot run on a mesh "
+            "with mesh.expert > 1 (TE's MeshResource has one data-parallel axis, the batch is "
+            f"split over data, fsdp and expert), got {dict(mesh.shape)}"
+        )
     return nvfp4_ops.te_sharding(mesh, data=data, fsdp=fsdp)

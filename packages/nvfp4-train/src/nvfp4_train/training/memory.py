@@ -16,10 +16,13 @@ Activations are an analytic estimate per token of the microbatch one device runs
 
 per block (d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = mlp_dim, H = heads,
 L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 code plus its share
-of an E4M3 block scale). A BF16 block's linears keep their inputs in the compute dtype without
+of an E4M3 block scale). An MoE block's MLP keeps its routed experts' rows instead (k per token,
+or with `mesh.expert` > 1 every row its experts could take of the whole batch) and the dispatch
+buffers: `moe_memory`; its experts' parameters, gradients and optimizer state are split over
+`expert` by the sharding rules. A BF16 block's linears keep their inputs in the compute dtype without
 remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
-`precision.schedule`) a block counts as quantized in a phase when its `mlp.down` linear's recipe
-of that phase quantizes, and the estimate is the phase that keeps the most.
+`precision.schedule`) a block counts as quantized in a phase when its `mlp.down` (MoE: `mlp.experts.down`) linear's
+recipe of that phase quantizes, and the estimate is the phase that keeps the most.
 
 Attention (`model.attention`, resolved as on an NVIDIA GPU unless another implementation is asked
 for) decides the L-dependent terms: `naive` and `xla` materialise the scores, so the rows above
@@ -52,9 +55,11 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, tree_shardings
+from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
 from nvfp4_train.model.attention import cudnn_mask_is_dense, run_attention
+from nvfp4_train.model.moe_config import is_moe_layer
 from nvfp4_train.precision.policy import precision_phases
+from nvfp4_train.training.moe_memory import mlp_correction
 from nvfp4_train.training.resume import abstract_state
 
 FP4_BYTES = 9 / 16
@@ -167,6 +172,7 @@ def estimate_memory(cfg, devices: int, attention: str | None = None) -> MemoryEs
         sizes = dict(zip(AXES, cfg.mesh.resolve(devices), strict=True))
     except ConfigError as err:
         raise ConfigError(f"mesh for {devices} devices: {err}") from None
+    check_expert_split(cfg.model.moe.num_experts, sizes["expert"])
     mesh = AbstractMesh(tuple(sizes.values()), AXES)
     _, state = abstract_state(cfg)
     params = _sharded_bytes(state.params, state.params, mesh)
@@ -189,10 +195,14 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
     sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
     tokens = sequences * cfg.train.seq_len
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
-    quantized = [[phase.recipes[f"layers.{i}.mlp.down"].quantized
-                  for i in range(cfg.model.num_layers)] for phase in phases]  # fmt: skip
+    down = [f"layers.{i}.mlp.{'experts.' * is_moe_layer(cfg.model.moe, i)}down"
+            for i in range(cfg.model.num_layers)]  # fmt: skip
+    quantized = [[phase.recipes[path].quantized for path in down] for phase in phases]
     saved = {
-        phase.label: sum(tokens * _saved_per_token(cfg, q, attention) for q in blocks)
+        phase.label: sum(
+            tokens * _saved_per_token(cfg, q, attention) + mlp_correction(cfg, i, q, sizes, tokens)
+            for i, q in enumerate(blocks)
+        )
         for phase, blocks in zip(phases, quantized, strict=True)
     }
     peak = max(saved, key=saved.get)

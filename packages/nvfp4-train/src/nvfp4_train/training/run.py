@@ -24,7 +24,12 @@ import jax
 from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TOKENIZER_DIR, run_directory
 from nvfp4_train.config.loader import to_yaml
 from nvfp4_train.config.run_config import Config
-from nvfp4_train.mesh.sharding import attention_heads_note, bytes_per_device, make_mesh
+from nvfp4_train.mesh.sharding import (
+    attention_heads_note,
+    bytes_per_device,
+    check_expert_split,
+    make_mesh,
+)
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
 from nvfp4_train.training.session import exclusive, run_checkpoints, sayer, with_data
@@ -59,6 +64,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     stream = sys.stdout if stream is None else stream
     cfg, datasets = with_data(cfg)  # data and mesh errors before anything is written
     mesh = make_mesh(cfg.mesh, jax.devices())
+    check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, mesh, run_dir, stream)
 

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.mesh.sharding import activation_constraint
+from nvfp4_train.mesh.sharding import activation_constraint, trace_context
 from nvfp4_train.model.config import ModelConfig, input_amax_shape, linear_paths
 from nvfp4_train.model.decoder import Llama
 from nvfp4_train.model.moe_config import MoEConfig
@@ -314,7 +314,8 @@ def make_train_step(
             with the microbatch index, so a rerun is bit-identical.
         grad_accum_steps: microbatches per step (`train.grad_accum_steps`).
         mesh: constrain the tokens and logits to its batch / vocab sharding
-            (`activation_constraint`); None: no constraint.
+            (`activation_constraint`), and trace under it (`trace_context`: the MoE blocks run
+            expert-parallel over its `expert` axis); None: no constraint.
         moe: the model's `model.moe` section (its auxiliary losses join the objective, its
             router bias moves after every applied step); required for a model with MoE blocks.
 
@@ -334,9 +335,10 @@ def make_train_step(
         key = step_key(seed, state.step)
         loss_scale = current_loss_scale(state.opt_state)
         amax0 = jax.tree.map(jnp.zeros_like, state.activation_amax)
-        loss, grads, step_amax, (moe_stats, moe_metrics) = _accumulated_grads(
-            graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain, moe
-        )
+        with trace_context(mesh):  # the MoE blocks' expert axis
+            loss, grads, step_amax, (moe_stats, moe_metrics) = _accumulated_grads(
+                graphdef, state.params, batch, key, loss_scale, accum, amax0, constrain, moe
+            )
         if moe_stats and not moe.num_experts:
             raise ValueError("the model has MoE blocks: pass its model.moe to make_train_step")
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -370,7 +372,8 @@ def make_eval_step(
     constrain = activation_constraint(mesh)
 
     def eval_step(params, batch: Batch):
-        loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
+        with trace_context(mesh):
+            loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step

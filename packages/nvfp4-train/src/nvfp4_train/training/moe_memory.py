@@ -1,0 +1,104 @@
+"""What an MoE block's MLP keeps for the backward pass, for `show-config --memory` (`memory`).
+
+Per MoE block and microbatch, one device runs its routed experts on R rows: without expert
+parallelism every assignment of its T_l tokens (R = T_l k, the dispatch buffer); with `mesh.expert`
+> 1 the block gathers the T = T_l x |data fsdp expert| tokens of the whole batch
+(`model.expert_parallel`) and runs its E_d = ceil(E / |expert| / |data fsdp|) experts on the static
+buffer of `expert_parallel.local_rows` (R = min(T min(k, E_d), E_d capacity)): every row its
+experts could take, so the estimate holds however the router balances. By `model.remat` (d = d_model, F =
+expert_mlp_dim, S = the shared experts' width, c = compute-dtype bytes, p = 9/16 for a quantized
+block, else as `memory` says):
+
+    full           nothing (the block input is counted with the block)
+    quantized      the grouped GEMMs' FP4 operands R (d + F) p, the shared experts' T_l (d + S) p
+    dots_no_batch  + their outputs R (2F + d) c + T_l (2S + d) c, the router logits T_l E 4
+    dots           as dots_no_batch
+    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the gathered tokens T d c,
+                   the dispatched rows R d c, the combined float32 output T d 4) and the router
+                   probabilities T_l E 4
+
+in place of a dense MLP's (d + f) p, (2f + d) c and 3f c per token (`dense_mlp_per_token`).
+
+Example:
+    >>> from nvfp4_train.config.run_config import config_from_dict
+    >>> cfg = config_from_dict({"model": {"moe": {"num_experts": 8, "expert_mlp_dim": 64}},
+    ...                         "mesh": {"data": 2, "expert": 4}})
+    >>> routed_rows(cfg, {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}, tokens=128)
+    (1024, 1024)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from nvfp4_train.mesh_axes import EXPERT_AXIS, TOKEN_AXES
+from nvfp4_train.model.expert_parallel import local_rows
+from nvfp4_train.model.moe_config import expert_capacity, is_moe_layer
+
+FP4_BYTES = 9 / 16
+
+
+def routed_rows(cfg, sizes: dict[str, int], tokens: int) -> tuple[int, int]:
+    """(T: the tokens one device's MoE dispatch sees, R: the rows of its grouped GEMMs) for
+    `tokens` tokens per device and microbatch on a mesh of `sizes`."""
+    moe = cfg.model.moe
+    k, experts = moe.experts_per_token, moe.num_experts
+    if sizes[EXPERT_AXIS] == 1:
+        return tokens, tokens * k
+    seen = tokens * math.prod(sizes[a] for a in TOKEN_AXES)
+    replicas = math.prod(sizes[a] for a in TOKEN_AXES if a != EXPERT_AXIS)
+    per_device = -(-experts // sizes[EXPERT_AXIS] // replicas)
+    return seen, local_rows(seen, k, per_device, expert_capacity(moe, seen))
+
+
+def _per_element(cfg, quantized: bool) -> float:
+    c = jnp.dtype(cfg.model.compute_dtype).itemsize
+    return FP4_BYTES if quantized else (c if cfg.model.remat == "none" else 0)
+
+
+def dense_mlp_per_token(cfg, quantized: bool) -> float:
+    """Bytes per token a dense MLP keeps under `model.remat` (its part of `memory`'s rows)."""
+    m, remat = cfg.model, cfg.model.remat
+    c, d, f = jnp.dtype(m.compute_dtype).itemsize, m.d_model, m.mlp_dim
+    if remat == "full":
+        return 0
+    saved = (d + f) * _per_element(cfg, quantized)
+    if remat in ("dots_no_batch", "dots", "none"):
+        saved += (2 * f + d) * c
+    return saved + (3 * f * c if remat == "none" else 0)
+
+
+def mlp_correction(cfg, index: int, quantized: bool, sizes: dict[str, int], tokens: int) -> float:
+    """What block `index`'s MLP keeps beyond `memory`'s dense-MLP rows: 0 for a dense block, the
+    MoE MLP's bytes less a dense MLP's for an MoE block."""
+    if not is_moe_layer(cfg.model.moe, index):
+        return 0
+    return moe_mlp_bytes(cfg, quantized, sizes, tokens) - tokens * dense_mlp_per_token(
+        cfg, quantized
+    )
+
+
+def moe_mlp_bytes(cfg, quantized: bool, sizes: dict[str, int], tokens: int) -> float:
+    """Bytes one device's MoE MLP of one block keeps for the backward pass (module doc), for
+    `tokens` tokens per device and microbatch on a mesh of `sizes`."""
+    m, moe, remat = cfg.model, cfg.model.moe, cfg.model.remat
+    c, d, f, s = (
+        jnp.dtype(m.compute_dtype).itemsize,
+        m.d_model,
+        moe.expert_mlp_dim,
+        moe.shared_mlp_dim,
+    )
+    seen, rows = routed_rows(cfg, sizes, tokens)
+    if remat == "full":
+        return 0
+    p = _per_element(cfg, quantized)
+    saved = rows * (d + f) * p + (tokens * (d + s) * p if s else 0)
+    if remat in ("dots_no_batch", "dots", "none"):
+        saved += rows * (2 * f + d) * c + tokens * ((2 * s + d) * c if s else 0)
+        saved += tokens * moe.num_experts * 4
+    if remat == "none":
+        saved += rows * 3 * f * c + tokens * 3 * s * c
+        saved += seen * d * c + rows * d * c + seen * d * 4 + tokens * moe.num_experts * 4
+    return saved
