@@ -244,7 +244,7 @@ def test_model_on_packed_documents_equals_each_document_alone(tiny_model):
 
 @pytest.mark.parametrize(
     "mesh_shape, kv_heads, heads_spec",
-    [((2, 1, 2), 2, "tensor"), ((1, 2, 4), 2, None), ((1, 1, 1), 2, None)],
+    [((2, 1, 1, 2), 2, "tensor"), ((1, 2, 1, 4), 2, None), ((1, 1, 1, 1), 2, None)],
     ids=["tensor-divides-both", "tensor-divides-q-only", "one-device"],
 )
 def test_fused_attention_splits_heads_over_tensor_only_when_it_divides_both(

@@ -149,7 +149,7 @@ def test_a_backend_that_crashes_while_checked_is_dropped_and_named(monkeypatch):
 def test_te_context_sets_te_mesh_resource_only_where_te_may_run_sharded(gpu_host, monkeypatch):
     entered = []
     monkeypatch.setattr(nvfp4_ops, "te_sharding", lambda mesh, **axes: entered.append(axes))
-    mesh8, mesh1 = SimpleNamespace(size=8), SimpleNamespace(size=1)
+    mesh8, mesh1 = SimpleNamespace(size=8, shape={"data": 8}), SimpleNamespace(size=1, shape={})
     axes = {"data": "data", "fsdp": "fsdp"}
     gpu_host(te=False)
     assert isinstance(te_context("te", mesh8, **axes), contextlib.nullcontext)  # TE not here

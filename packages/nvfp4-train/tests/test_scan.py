@@ -187,7 +187,7 @@ def test_the_late_bf16_forward_runs_on_the_stacked_state():
 
 
 def test_a_stacked_parameter_is_sharded_like_one_layer_never_along_layers():
-    mesh = AbstractMesh((2, 2, 2), AXES)
+    mesh = AbstractMesh((2, 2, 1, 2), AXES)
     one = param_spec(("layers", "1", "attn", "qkv", "kernel"), (32, 64), mesh)
     assert param_spec(("layers", "1-6", "attn", "qkv", "kernel"), (6, 32, 64), mesh) == P(
         None, *one
@@ -195,7 +195,7 @@ def test_a_stacked_parameter_is_sharded_like_one_layer_never_along_layers():
     norm = param_spec(("layers", "1-6", "attn_norm", "scale"), (6, 32), mesh)
     assert norm == P(None, *param_spec(("layers", "1", "attn_norm", "scale"), (32,), mesh))
     state = abstract_state(scan_cfg(scan=True))[1]
-    device_mesh = jax.make_mesh((1, 1, 1), AXES)
+    device_mesh = jax.make_mesh((1,) * len(AXES), AXES)
     shardings = tree_shardings(state.params, state.params, device_mesh)
     spec = shardings["layers"]["1-2"]["mlp"]["down"]["kernel"].spec
     assert len(spec) == 3 and spec[0] is None
