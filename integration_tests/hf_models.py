@@ -42,7 +42,33 @@ CASES = {
     "qwen3-bias": ("Qwen3Config", {"attention_bias": True, "tie_word_embeddings": True}),
 }  # fmt: skip
 """case -> (transformers config class, options beyond `_SHAPE`)."""
-ARCHITECTURE = {case: kw[0].removesuffix("Config").lower() for case, kw in CASES.items()}
+_MOE_SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+)  # fmt: skip
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 intermediate_size=64)  # fmt: skip
+MOE_CASES = {
+    "qwen3_moe": ("Qwen3MoeConfig", {**_QWEN_MOE, "norm_topk_prob": True}),
+    "qwen3_moe-fused": (
+        "Qwen3MoeConfig", {**_QWEN_MOE, "norm_topk_prob": True, "mlp_only_layers": [0]}
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "intermediate_size": 32, "sliding_window": None}),
+    "mixtral-fused": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                        "intermediate_size": 32, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", {**_QWEN_MOE, "shared_expert_intermediate_size": 48,
+                                     "norm_topk_prob": False}),
+}  # fmt: skip
+"""Mixture-of-Experts cases (2 blocks, 4 experts, top-2, d_model 64): saved per expert as
+`save_pretrained` writes them, or `-fused` (transformers 5's in-memory `experts.gate_up_proj` /
+`experts.down_proj`, `save_pretrained(save_original_format=False)`)."""
+ALL_CASES = {**CASES, **MOE_CASES}
+ARCHITECTURE = {
+    case: {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(name, name)
+    for case, (cls, _) in ALL_CASES.items()
+    for name in [cls.removesuffix("Config").lower()]
+}
 
 
 def tokenizer():
@@ -67,9 +93,10 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
     import torch
     import transformers
 
-    class_name, options = CASES[case]
+    class_name, options = ALL_CASES[case]
     options = copy.deepcopy(options)  # transformers writes rope_theta into a rope_scaling dict
-    config = getattr(transformers, class_name)(**_SHAPE, **options)
+    shape = _MOE_SHAPE if case in MOE_CASES else _SHAPE
+    config = getattr(transformers, class_name)(**shape, **options)
     tok = tokenizer()
     config.eos_token_id = config.bos_token_id = tok.token_to_id(EOS)
     torch.manual_seed(seed)
@@ -80,9 +107,11 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                param.copy_(0.5 * torch.randn_like(param))  # decisive routing: few near-ties
             else:
                 param.copy_(0.08 * torch.randn_like(param))
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, save_original_format=not case.endswith("-fused"))
     tok.save(str(out_dir / "tokenizer.json"))
     return model
 

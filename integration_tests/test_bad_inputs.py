@@ -87,11 +87,43 @@ def place(tmp_path_factory):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps({**hf, **changes}))
         hf_models.tokenizer().save(str(root / name / "tokenizer.json"))
+    _moe_bad_inputs(root)
     (root / "hf_no_tokenizer").mkdir()
     (root / "hf_no_tokenizer" / "config.json").write_text(json.dumps(hf))
     shutil.copytree(run, root / "run_without_integrity")
     shutil.rmtree(root / "run_without_integrity" / CHECKPOINTS_DIR / "2" / INTEGRITY_ITEM)
     return root
+
+
+def _moe_bad_inputs(root: Path) -> None:
+    """Broken Mixture-of-Experts inputs: HF checkpoints with a missing expert, an expert of
+    another shape, a router over more experts, an unsupported variant, router jitter; a run whose
+    quant_stats give a block's experts no input amax."""
+    import safetensors.numpy
+
+    hf_models.make_model("qwen3_moe", root / "moe_ok")
+    tensors = safetensors.numpy.load_file(str(root / "moe_ok" / "model.safetensors"))
+    config = json.loads((root / "moe_ok" / "config.json").read_text())
+    expert = "model.layers.0.mlp.experts.{e}.{p}.weight"
+    broken = {
+        "moe_missing_expert": {k: v for k, v in tensors.items() if ".experts.3." not in k},
+        "moe_unequal_expert": {**tensors, expert.format(e=2, p="gate_proj"): np.zeros((48, 64),
+                                                                                      np.float32)},
+        "moe_router_5": {**tensors, "model.layers.1.mlp.gate.weight": np.zeros((5, 64), np.float32)},
+    }  # fmt: skip
+    for name, weights in broken.items():
+        shutil.copytree(root / "moe_ok", root / name)
+        safetensors.numpy.save_file(weights, str(root / name / "model.safetensors"))
+    for name, changes in (("moe_deepseek", {"model_type": "deepseek_v3"}),
+                          ("moe_jitter", {"model_type": "mixtral", "router_jitter_noise": 0.1,
+                                          "num_local_experts": 4, "intermediate_size": 32})):  # fmt: skip
+        shutil.copytree(root / "moe_ok", root / name)
+        (root / name / "config.json").write_text(json.dumps({**config, **changes}))
+    model = _export_conftest.model_config(**_export_conftest.SMALL_MODEL,
+                                          **_export_conftest.MOE_CASES["qwen3_moe"])  # fmt: skip
+    stats = _export_conftest.trained_stats(model)
+    stats["activation_amax"]["layers.0.mlp.experts.down"] = [0.0] * 4
+    write_run(root / "moe_run_idle", model=model, quant_stats=stats)
 
 
 # (tool, argv with {root}, exit code, message fragment)
@@ -331,6 +363,70 @@ CLI_ROWS = [
     ),
     ("export", ["verify", "{root}/notes"], 2, "lacks config.json"),
     ("export", ["verify", "{root}/model.onnx"], 2, "needs --against"),
+    (
+        "train",
+        [
+            "run",
+            "{root}/ok.yaml",
+            "model.init_from={root}/moe_missing_expert",
+            "output_dir={root}/o",
+        ],
+        2,
+        "layer 0 lacks expert 3 (missing experts [3] of num_experts=4)",
+    ),
+    (
+        "train",
+        [
+            "run",
+            "{root}/ok.yaml",
+            "model.init_from={root}/moe_unequal_expert",
+            "output_dir={root}/o",
+        ],
+        2,
+        "tensor 'model.layers.0.mlp.experts.2.gate_proj.weight' has shape (48, 64), the config "
+        "implies (32, 64)",
+    ),
+    (
+        "train",
+        ["run", "{root}/ok.yaml", "model.init_from={root}/moe_router_5", "output_dir={root}/o"],
+        2,
+        "model.layers.1.mlp.gate.weight routes to 5 experts, but config.json gives num_experts=4",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "model.init_from={root}/moe_deepseek"],
+        2,
+        "model_type 'deepseek_v3' is a Mixture-of-Experts variant whose multi-head latent attention",
+    ),
+    (
+        "train",
+        ["show-config", "{root}/ok.yaml", "model.init_from={root}/moe_jitter"],
+        2,
+        "router_jitter_noise=0.1 is not supported",
+    ),
+    (
+        "train",
+        [
+            "show-config",
+            "{root}/ok.yaml",
+            "model.init_from={root}/moe_ok",
+            "model.moe.num_experts=8",
+        ],
+        2,
+        "model.moe.num_experts=8 but",
+    ),
+    (
+        "export",
+        ["hf", "{root}/moe_run_idle", "{root}/o12", "--layout", "modelopt"],
+        2,
+        "layers.0.mlp.experts.down: every expert (0, 1, 2, 3) has input amax 0",
+    ),
+    (
+        "export",
+        ["onnx", "{root}/moe_run_idle", "{root}/moe.onnx"],
+        2,
+        "ONNX export of Mixture-of-Experts models (qwen3_moe) is not implemented",
+    ),
     ("format", ["inspect", "{root}/missing.safetensors"], 2, "no such file or directory"),
     ("format", ["inspect", "{root}/loop"], 2, "a loop of symbolic links"),
     ("format", ["inspect", "{root}/short.safetensors"], 2, "shorter than the 8-byte header"),

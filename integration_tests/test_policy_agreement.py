@@ -11,6 +11,7 @@ training's table.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from nvfp4_export.model_spec import ARCHITECTURE_OPTIONS as EXPORT_ARCHITECTURES
@@ -53,3 +54,47 @@ def test_export_rederives_the_recipe_map_training_records(precision, layers):
                      head_dim=16, mlp_dim=128)  # fmt: skip
     recorded = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
     assert linear_recipes(spec, to_dict(cfg), None) == recorded
+
+
+def test_export_checks_the_moe_classes_training_allows():
+    from nvfp4_export.moe_spec import MOE_ARCHITECTURES as EXPORT_MOE
+    from nvfp4_train.model.moe_config import MOE_ARCHITECTURES as TRAIN_MOE
+
+    assert EXPORT_MOE == TRAIN_MOE
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        {"num_experts": 4, "expert_mlp_dim": 32},
+        {"num_experts": 4, "expert_mlp_dim": 32, "layer_freq": 2, "dense_layers": [3]},
+        {"num_experts": 8, "expert_mlp_dim": 16, "shared_experts": 1, "shared_expert_gate": True},
+    ],
+)
+def test_export_rederives_an_moe_models_linears_and_recipes(moe):
+    from nvfp4_export.model_spec import spec_from_config
+    from nvfp4_train.model.config import linear_paths
+
+    arch = "qwen2_moe" if moe.get("shared_experts") else "qwen3_moe"
+    flags = {"qkv_bias": True} if arch == "qwen2_moe" else {"qk_norm": True}
+    model = {"vocab_size": 256, "d_model": 64, "num_layers": 4, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 128, "architecture": arch, "moe": moe, **flags}  # fmt: skip
+    cfg = config_from_dict({"model": model, "train": {"steps": 10},
+                            "precision": {"overrides": [r"layers\.1\.mlp\.experts\..*=bf16"]}})  # fmt: skip
+    config = to_dict(cfg)
+    import jax
+
+    from nvfp4_train.training.resume import abstract_state
+
+    _, abstract = abstract_state(cfg)
+    shapes = {
+        ".".join(str(k.key) for k in path): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract.params)[0]
+    }
+    params = {
+        k: np.broadcast_to(np.float32(0), v) for k, v in shapes.items()
+    }  # unscanned: 4 blocks
+    spec = spec_from_config(config, params)
+    assert spec.linear_paths() == linear_paths(cfg.model)
+    recorded = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
+    assert linear_recipes(spec, config, None) == recorded

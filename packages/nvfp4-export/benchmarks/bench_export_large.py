@@ -40,7 +40,8 @@ import orbax.checkpoint, jax
 baseline = (field("VmRSS"), field("RssAnon"))
 if sys.argv[2] != "-":
     start = time.perf_counter()
-    result = export_hf(sys.argv[1], sys.argv[2], layout=sys.argv[3], weight_only=True)
+    result = export_hf(sys.argv[1], sys.argv[2], layout=sys.argv[3],
+                       weight_only=sys.argv[4] == "weight-only")
     seconds, nbytes = time.perf_counter() - start, result.total_bytes
 else:
     seconds, nbytes = 0.0, 0
@@ -51,9 +52,9 @@ print(json.dumps({"seconds": seconds, "bytes": nbytes, "vm_hwm": field("VmHWM"),
 """
 
 
-def _child(run_dir: Path, out: str, layout: str) -> dict:
+def _child(run_dir: Path, out: str, layout: str, mode: str = "weight-only") -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(run_dir), out, layout],
+        [sys.executable, "-c", CHILD, str(run_dir), out, layout, mode],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -64,7 +65,11 @@ def main() -> None:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="export_8b")
+    ap.add_argument("--w4a4", action="store_true",
+                    help="W4A4 (input scales from the checkpoint's quant_stats) instead of "
+                    "weight-only")  # fmt: skip
     args = ap.parse_args()
+    mode = "w4a4" if args.w4a4 else "weight-only"
     ckpt = args.run_dir / "checkpoints"
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     libraries = _child(args.run_dir, "-", "-")
@@ -72,11 +77,11 @@ def main() -> None:
     for layout in ("modelopt", "compressed-tensors"):
         out = args.run_dir.parent / f"{args.run_dir.name}-{layout}"
         shutil.rmtree(out, ignore_errors=True)
-        r = _child(args.run_dir, str(out), layout)
+        r = _child(args.run_dir, str(out), layout, mode)
         shutil.rmtree(out, ignore_errors=True)
         rows.append({"layout": layout, **r})
     lines = [
-        f"# nvfp4-export: {args.run_dir.name}, weight-only, {os.cpu_count()} CPU cores",
+        f"# nvfp4-export: {args.run_dir.name}, {mode}, {os.cpu_count()} CPU cores",
         "",
         f"Checkpoint on disk: {ckpt_bytes / GIB:.1f} GiB. Libraries alone: RSS "
         f"{libraries['vm_hwm'] / GIB:.2f} GiB, anonymous {libraries['peak_anon'] / GIB:.2f} GiB.",
@@ -88,7 +93,7 @@ def main() -> None:
     ]  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
-    report = {"run_dir": str(args.run_dir), "checkpoint_bytes": ckpt_bytes,
+    report = {"run_dir": str(args.run_dir), "checkpoint_bytes": ckpt_bytes, "mode": mode,
               "libraries": libraries, "exports": rows,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}}  # fmt: skip

@@ -51,7 +51,9 @@ def random_params(model: dict, seed: int = 0) -> dict:
             "attn_norm": {"scale": norm()},
             "mlp_norm": {"scale": norm()},
             "attn": {"qkv": {"kernel": w(d, (nh + 2 * nkv) * hd)}, "o": {"kernel": w(nh * hd, d)}},
-            "mlp": {"gate_up": {"kernel": w(d, 2 * f)}, "down": {"kernel": w(f, d)}},
+            "mlp": moe_mlp(model, w)
+            if is_moe(model, i)
+            else {"gate_up": {"kernel": w(d, 2 * f)}, "down": {"kernel": w(f, d)}},
         }
         for i in range(n)
     }
@@ -71,6 +73,32 @@ def random_params(model: dict, seed: int = 0) -> dict:
     if not model["tie_embeddings"]:
         params["lm_head"] = {"kernel": w(d, v, std=0.2)}
     return params
+
+
+def is_moe(model: dict, i: int) -> bool:
+    """Whether block `i` of `model` is an MoE block (training's rule)."""
+    moe = model.get("moe") or {}
+    return (
+        bool(moe.get("num_experts"))
+        and (i + 1) % moe.get("layer_freq", 1) == 0
+        and (i not in moe.get("dense_layers", ()) and i >= moe.get("first_dense_layers", 0))
+    )
+
+
+def moe_mlp(model: dict, w) -> dict:
+    """An MoE block's `mlp` params (router, experts, shared expert and its gate)."""
+    moe, d = model["moe"], model["d_model"]
+    e, f = moe["num_experts"], moe["expert_mlp_dim"]
+    mlp = {
+        "router": {"kernel": w(d, e, std=0.3), "score_bias": np.zeros(e, np.float32)},
+        "experts": {"gate_up": {"kernel": w(e, d, 2 * f)}, "down": {"kernel": w(e, f, d)}},
+    }
+    if moe.get("shared_experts"):
+        s = moe["shared_experts"] * (moe.get("shared_expert_mlp_dim") or f)
+        mlp["shared"] = {"gate_up": {"kernel": w(d, 2 * s)}, "down": {"kernel": w(s, d)}}
+    if moe.get("shared_expert_gate"):
+        mlp["shared_gate"] = {"kernel": w(d, 1, std=0.3)}
+    return mlp
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -96,11 +124,26 @@ def write_tokenizer(directory: Path) -> None:
     (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
+MOE_NAMES = ("attn.qkv", "attn.o", "mlp.experts.gate_up", "mlp.experts.down")
+
+
 def trained_stats(model: dict) -> dict:
-    """A `quant_stats` item as training writes it: an activation amax for every linear."""
+    """A `quant_stats` item as training writes it: an activation amax for every linear (a list
+    of one per expert for an MoE block's experts)."""
     names = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
-    paths = [f"layers.{i}.{n}" for i in range(model["num_layers"]) for n in names]
-    return {"activation_amax": {p: 2.0 + 0.25 * k for k, p in enumerate(paths)}}
+    amax: dict = {}
+    for i in range(model["num_layers"]):
+        block = names
+        if is_moe(model, i):
+            shared = ("mlp.shared.gate_up", "mlp.shared.down")
+            block = MOE_NAMES + shared * bool(model["moe"].get("shared_experts"))
+        for n in block:
+            k = len(amax)
+            amax[f"layers.{i}.{n}"] = (
+                [2.0 + 0.25 * k + 0.125 * e for e in range(model["moe"]["num_experts"])]
+                if ".experts." in n else 2.0 + 0.25 * k
+            )  # fmt: skip
+    return {"activation_amax": amax}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
@@ -207,6 +250,26 @@ ARCH_CASES = {
     "qwen3-bias": {"architecture": "qwen3", "qkv_bias": True, "o_bias": True, "qk_norm": True},
 }
 """Every architecture and option training builds (its `ModelConfig` check), tied heads included."""
+MOE = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 32}
+MOE_CASES = {
+    "qwen3_moe": {"architecture": "qwen3_moe", "qk_norm": True, "moe": MOE},
+    "mixtral": {"architecture": "mixtral", "moe": MOE},
+    "qwen2_moe": {"architecture": "qwen2_moe", "qkv_bias": True, "moe": {
+        **MOE, "shared_experts": 1, "shared_expert_mlp_dim": 48, "shared_expert_gate": True,
+        "norm_topk_prob": False}},
+}  # fmt: skip
+"""The Mixture-of-Experts classes (2 blocks, 4 experts, top-2): block 0 NVFP4, block 1 BF16 by
+the policy rule, so both an FP4 and a BF16 MoE block are exported."""
+
+
+@pytest.fixture(scope="session")
+def moe_runs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny trained run (per-expert activation amax in `quant_stats`) per `MOE_CASES` entry."""
+    root = tmp_path_factory.mktemp("moe_runs")
+    return {
+        case: write_run(root / case, model=model_config(**SMALL_MODEL, **options))
+        for case, options in MOE_CASES.items()
+    }
 
 
 @pytest.fixture(scope="session")

@@ -343,5 +343,5 @@ def test_the_cli_reports_a_bad_model_directory_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "error: model.init_from: model_type 'gpt_neox' is not supported (supported: "
-        "('llama', 'mistral', 'qwen2', 'qwen3'))"
+        "('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'qwen2_moe'))"
     ]

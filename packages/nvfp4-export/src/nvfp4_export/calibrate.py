@@ -18,7 +18,8 @@ from nvfp4_export.forward import ForwardWeights, forward
 
 
 def amax_from_stats(quant_stats: dict | None, paths: list[str]) -> dict[str, float]:
-    """`quant_stats.activation_amax` restricted to `paths` (empty when absent).
+    """`quant_stats.activation_amax` restricted to `paths` (empty when absent); a routed
+    experts' linear holds a list, one amax per expert (checked by `expert_scales`).
 
     Raises:
         ExportError: a listed amax that is not a finite number >= 0.
@@ -26,7 +27,9 @@ def amax_from_stats(quant_stats: dict | None, paths: list[str]) -> dict[str, flo
     stats = (quant_stats or {}).get("activation_amax") or {}
     out = {}
     for path in paths:
-        if path in stats:
+        if path in stats and isinstance(stats[path], (list, tuple)):
+            out[path] = list(stats[path])  # an expert linear's: `expert_scales` checks it
+        elif path in stats:
             value = float(stats[path])
             if not np.isfinite(value) or value < 0:
                 raise ExportError(

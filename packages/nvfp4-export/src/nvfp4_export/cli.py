@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--allow-dropped-tensors", action="store_true",
                     help="export even if a server would drop a trained tensor (warns)")  # fmt: skip
     hf.add_argument("--no-integrity-check", action="store_true", help=NO_CHECK_HELP)
+    hf.add_argument("--allow-uncalibrated-experts", action="store_true",
+                    help="an MoE block whose experts have no input amax for a projection takes "
+                    "the model's largest amax of that projection (warns) instead of refusing")  # fmt: skip
     hf.add_argument("--no-progress", action="store_true",
                     help="no progress bar (there is none when stderr is not a terminal)")  # fmt: skip
     ox = sub.add_parser("onnx", help="an ONNX decoder with packed FP4 weights")
@@ -98,7 +101,9 @@ def _hf(args: argparse.Namespace) -> int:
             step=args.step, overwrite=args.overwrite, calibrate_n=args.calibrate,
             calibration_text=args.calibration_text, max_shard_bytes=args.max_shard_bytes,
             servers=args.servers, allow_dropped_tensors=args.allow_dropped_tensors,
-            integrity_check=not args.no_integrity_check, log=lambda m: print(m, file=sys.stderr), progress=progress,
+            integrity_check=not args.no_integrity_check,
+            allow_uncalibrated_experts=args.allow_uncalibrated_experts,
+            log=lambda m: print(m, file=sys.stderr), progress=progress,
         )  # fmt: skip
     plan = result.plan
     mode = "W4A4" if plan.w4a4 else "weight-only"

@@ -45,7 +45,9 @@ class ForwardWeights:
 
     `layers[i]` maps "attn_norm", "mlp_norm" to [D] scales and "qkv", "o", "gate_up", "down" to
     `ForwardLinear`s; per the spec also "qkv_bias" [(H + 2G) * K], "o_bias" [D] and "q_norm",
-    "k_norm" [K].
+    "k_norm" [K]. An MoE block has instead of "gate_up" / "down": "router" [E, D],
+    "experts_gate_up" and "experts_down" (a `ForwardLinear` per expert), and with a shared expert
+    "shared_gate_up", "shared_down" and optionally "shared_gate" [1, D].
     """
 
     spec: LlamaSpec
@@ -139,11 +141,76 @@ def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, table
     o = _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o", layer.get("o_bias"))
     x = rnd(x + o)
     h = _rms_norm(x, layer["mlp_norm"], s.rms_norm_eps, rnd)
+    if "router" in layer:
+        return rnd(x + _moe(h, layer, i, s, mode, rnd, amax_out))
     gate, up = np.split(
         _linear(h, layer["gate_up"], mode, rnd, amax_out, f"layers.{i}.mlp.gate_up"), 2, axis=-1
     )
     hidden = rnd(gate / (1.0 + np.exp(-gate)) * up)
     return rnd(x + _linear(hidden, layer["down"], mode, rnd, amax_out, f"layers.{i}.mlp.down"))
+
+
+def _swiglu_mlp(h, gate_up: ForwardLinear, down: ForwardLinear, mode, rnd, amax_out, key):
+    gate, up = np.split(_linear(h, gate_up, mode, rnd, amax_out, f"{key}.gate_up"), 2, axis=-1)
+    hidden = rnd(gate / (1.0 + np.exp(-gate)) * up)
+    return _linear(hidden, down, mode, rnd, amax_out, f"{key}.down")
+
+
+def _route(x_TxD: np.ndarray, router_ExD: np.ndarray, spec: LlamaSpec):
+    """(experts [T, k], combine weights [T, k]): float32 softmax top-k, ties to the lower index,
+    renormalised with `norm_topk_prob` (training's `model.routing.route`)."""
+    logits = x_TxD.astype(np.float64) @ router_ExD.astype(np.float64).T
+    logits = logits.astype(np.float32)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, : spec.experts_per_token]
+    weights = np.take_along_axis(probs, experts, axis=-1)
+    if spec.norm_topk_prob:
+        weights = (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+    return experts, weights
+
+
+def _record(amax_out: dict | None, key: str, expert: int, count: int, x: np.ndarray) -> None:
+    if amax_out is not None:
+        values = list(amax_out.get(key) or [0.0] * count)
+        values[expert] = max(values[expert], float(np.max(np.abs(x))) if x.size else 0.0)
+        amax_out[key] = values
+
+
+def _moe(h, layer: dict, i: int, s: LlamaSpec, mode, rnd, amax_out):
+    """The MoE MLP of block `i` (training's `model.moe.MoEMLP`): router, each expert on its own
+    tokens (its input quantized with its own amax), combine in slot order in float32."""
+    b, l, d = h.shape
+    x = h.reshape(b * l, d)
+    experts, weights = _route(x, layer["router"], s)
+    y_TxKxD = np.zeros((b * l, experts.shape[1], d), np.float32)
+    key = f"layers.{i}.mlp.experts"
+    for e, (gate_up, down) in enumerate(zip(layer["experts_gate_up"], layer["experts_down"],
+                                            strict=True)):  # fmt: skip
+        tokens, slots = np.nonzero(experts == e)
+        if tokens.size == 0:
+            continue
+        x_e = x[tokens]
+        _record(amax_out, f"{key}.gate_up", e, s.num_experts, x_e)
+        gu = rnd(_quantize_input(x_e, gate_up, mode) @ gate_up.w_OxI.T)
+        gate, up = np.split(gu, 2, axis=-1)
+        hidden = rnd(gate / (1.0 + np.exp(-gate)) * up)
+        _record(amax_out, f"{key}.down", e, s.num_experts, hidden)
+        y_TxKxD[tokens, slots] = rnd(_quantize_input(hidden, down, mode) @ down.w_OxI.T)
+    out = y_TxKxD[:, 0] * weights[:, 0, None]
+    for j in range(1, experts.shape[1]):
+        out = out + y_TxKxD[:, j] * weights[:, j, None]
+    out = rnd(out.reshape(b, l, d))
+    if "shared_gate_up" in layer:
+        shared = _swiglu_mlp(h, layer["shared_gate_up"], layer["shared_down"], mode, rnd,
+                             amax_out, f"layers.{i}.mlp.shared")  # fmt: skip
+        if "shared_gate" in layer:
+            logit = (x.astype(np.float64) @ layer["shared_gate"].astype(np.float64).T).astype(
+                np.float32
+            )
+            shared = rnd(1.0 / (1.0 + np.exp(-logit.reshape(b, l, 1))) * shared)
+        out = rnd(out + shared)
+    return out
 
 
 def forward(

@@ -17,6 +17,7 @@ from nvfp4_export.checkpoint import (
     resolve_checkpoint,
 )
 from nvfp4_export.errors import ExportError
+from nvfp4_export.expert_scales import refuse_mixed_experts, resolve_expert_amax
 from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
 from nvfp4_export.hf_files import (
@@ -40,7 +41,12 @@ from nvfp4_export.layouts import (
 )
 from nvfp4_export.linears import export_linear, planned_linear
 from nvfp4_export.manifest import CHECKPOINT_CHECKED, seal
-from nvfp4_export.model_spec import LlamaSpec, dense_entries, spec_from_config
+from nvfp4_export.model_spec import (
+    LlamaSpec,
+    dense_entries,
+    moe_dense_entries,
+    spec_from_config,
+)
 from nvfp4_export.output_dir import atomic_output, check_target
 from nvfp4_export.policy import linear_recipes, weight_format
 from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
@@ -107,11 +113,18 @@ def _calibrated(ckpt, spec, recipes, n: int, text: Path | None, log) -> InputAma
     return InputAmax(calibrate(weights, tokens), "calibration", info, notes)
 
 
-def _input_amax(ckpt, spec, recipes, calibrate_n: int, calibration_text, log) -> InputAmax:
+def _input_amax(ckpt, spec, recipes, calibrate_n: int, calibration_text, log,
+                allow_uncalibrated: bool = False) -> InputAmax:  # fmt: skip
     if calibrate_n:
-        return _calibrated(ckpt, spec, recipes, calibrate_n, calibration_text, log)
-    stats = amax_from_stats(ckpt.quant_stats, spec.linear_paths())
-    return InputAmax(stats, QUANT_STATS_ITEM if stats else None)
+        found = _calibrated(ckpt, spec, recipes, calibrate_n, calibration_text, log)
+    else:
+        stats = amax_from_stats(ckpt.quant_stats, spec.linear_paths())
+        found = InputAmax(stats, QUANT_STATS_ITEM if stats else None)
+    if not (spec.num_experts and found.amax):
+        return found
+    amax, notes = resolve_expert_amax(spec, recipes, found.amax,
+                                      allow_uncalibrated=allow_uncalibrated)  # fmt: skip
+    return dataclasses.replace(found, amax=amax, notes=found.notes + notes)
 
 
 def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
@@ -271,6 +284,7 @@ def export_hf(
     servers: Sequence[str] | None = None,
     allow_dropped_tensors: bool = False,
     integrity_check: bool = True,
+    allow_uncalibrated_experts: bool = False,
     log: Callable[[str], None] = lambda _: None,
     progress: Callable[[ExportProgress], None] = lambda _: None,
 ) -> ExportResult:
@@ -293,6 +307,9 @@ def export_hf(
         integrity_check: compare the checkpoint's parameters, config and quant_stats with the
             checksums of its `integrity` item, which must exist. False exports it as found on
             disk, with a warning in `notes`.
+        allow_uncalibrated_experts: an MoE block whose experts have no input amax for a
+            projection takes the model's largest amax of that projection (warned) instead of
+            being refused (`expert_scales`).
         log: receives progress messages and notes.
         progress: called with an `ExportProgress` after each checkpoint tensor is written.
 
@@ -315,16 +332,23 @@ def export_hf(
     ckpt = read_checkpoint(ref, integrity_check=integrity_check)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
+    refuse_mixed_experts(spec, recipes)
     text = None if calibration_text is None else Path(calibration_text)
-    inputs = _input_amax(ckpt, spec, recipes, calibrate_n if not weight_only else 0, text, log)
+    inputs = (
+        InputAmax({}, None)
+        if weight_only
+        else _input_amax(ckpt, spec, recipes, calibrate_n, text, log, allow_uncalibrated_experts)
+    )
     amax = inputs.amax
     log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
     shapes = ckpt.params.shapes
     planned: list[ExportedLinear] = []
     for path in spec.linear_paths():
-        in_features = shapes[f"{path}.kernel"][0]
+        in_features = shapes[f"{path}.kernel"][-2]
         planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path))
-    plan = plan_layout(layout, planned, weight_only=weight_only)
+    routers = tuple(t.hf_name.removesuffix(".weight") for i in spec.moe_layers()
+                    for t in moe_dense_entries(spec, i))  # fmt: skip
+    plan = plan_layout(layout, planned, weight_only=weight_only, always_bf16=routers)
     _refuse_per_token_w4a4(plan, recipes)
     notes = ckpt.notes + inputs.notes + _weight_only_fallback(plan, weight_only)  # before writing
     targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)

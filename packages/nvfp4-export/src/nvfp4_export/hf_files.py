@@ -52,16 +52,44 @@ def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | 
         "eos_token_id": eos_token_id,
         "torch_dtype": "bfloat16",
     }
-    if spec.architecture in ("llama", "qwen3"):
+    base = DENSE_BASE.get(spec.architecture, spec.architecture)
+    if base in ("llama", "qwen3"):
         config["attention_bias"] = spec.o_bias
-    if spec.architecture == "llama":
+    if base == "llama":
         config["mlp_bias"] = False
-    if spec.architecture != "llama":
+    if base != "llama":
         config["sliding_window"] = None
-    if spec.architecture in ("qwen2", "qwen3"):
+    if base in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["max_window_layers"] = spec.num_layers
-        config["layer_types"] = ["full_attention"] * spec.num_layers
+        if spec.architecture != "qwen3_moe":  # Qwen3MoeConfig has no layer_types
+            config["layer_types"] = ["full_attention"] * spec.num_layers
+    return config | moe_config(spec)
+
+
+DENSE_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
+"""An MoE `model_type` -> the dense one whose attention options its config.json spells."""
+
+
+def moe_config(spec: LlamaSpec) -> dict:
+    """The config.json keys of an MoE class (none for a dense model): Qwen's `num_experts`,
+    `moe_intermediate_size`, `decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob` (plus
+    Qwen2-MoE's `shared_expert_intermediate_size`, `qkv_bias`), Mixtral's `num_local_experts`,
+    `intermediate_size` (the experts' width), `router_jitter_noise` 0."""
+    if not spec.num_experts:
+        return {}
+    if spec.architecture == "mixtral":
+        return {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+                "intermediate_size": spec.expert_mlp_dim, "router_jitter_noise": 0.0,
+                "output_router_logits": False}  # fmt: skip
+    config = {
+        "num_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token,
+        "moe_intermediate_size": spec.expert_mlp_dim, "norm_topk_prob": spec.norm_topk_prob,
+        "decoder_sparse_step": spec.moe_layer_freq, "mlp_only_layers": list(spec.moe_dense_layers),
+        "output_router_logits": False,
+    }  # fmt: skip
+    if spec.architecture == "qwen2_moe":
+        config |= {"shared_expert_intermediate_size": spec.shared_mlp_dim, "qkv_bias": True}
     return config
 
 

@@ -11,8 +11,9 @@ from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS
 from nvfp4_export.hf_files import hf_config, hf_dense_names, special_token_ids
 from nvfp4_export.json_files import canonical_json
 from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
-from nvfp4_export.linears import hf_modules
+from nvfp4_export.linears import hf_modules, in_features
 from nvfp4_export.model_spec import ARCHITECTURES
+from nvfp4_export.moe_spec import EXPERT_LINEARS
 from nvfp4_export.reload import LoadedExport
 from nvfp4_export.shard_writer import INDEX_FILE
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, WEIGHT_SCALE
@@ -85,7 +86,7 @@ def _linear_problems(loaded: LoadedExport) -> list[str]:
     for source in spec.linear_paths():
         kind = BF16 if prov["recipes"][source] == BF16 else "fp4"
         for name, rows in hf_modules(spec, source):
-            inp = _in_features(spec, name)
+            inp = in_features(spec, source)
             exp = _expected(kind, loaded.layout, prov["format"], prov["w4a4"], rows, inp)
             if exp is None:
                 problems.append(
@@ -99,6 +100,7 @@ def _linear_problems(loaded: LoadedExport) -> list[str]:
                 )
     for i in range(spec.num_layers):
         problems += _shared_scale_problems(loaded, i)
+    problems += expert_scale_problems(loaded)
     for name in hf_dense_names(spec):
         seen.add(name)
         if name not in loaded.tensors or loaded.tensors[name].dtype.name != "bfloat16":
@@ -107,10 +109,26 @@ def _linear_problems(loaded: LoadedExport) -> list[str]:
     return problems + ([f"unexpected tensors {extra[:5]}"] if extra else [])
 
 
-def _in_features(spec, name: str) -> int:
-    if name.endswith("o_proj"):
-        return spec.num_heads * spec.head_dim
-    return spec.mlp_dim if name.endswith("down_proj") else spec.d_model
+def expert_scale_problems(loaded: LoadedExport) -> list[str]:
+    """Every routed expert's global and input scales, as the MoE loaders need them: gate and up
+    of an expert share one global scale and one input scale (vLLM keeps the gate's and warns,
+    TensorRT-LLM asserts `w1_weight_scale_2 == w3_weight_scale_2` and `w1_input_scale ==
+    w3_input_scale`), and no scale is zero (a zero input scale serves NaN in vLLM). Missing and
+    non-finite ones are the module and non-finite checks'."""
+    spec, problems = loaded.spec, []
+    for i in spec.moe_layers():
+        for kind in EXPERT_LINEARS:
+            for e in range(spec.num_experts):
+                modules = [n for n, _ in hf_modules(spec, f"layers.{i}.{kind}", e)]
+                for suffix in SHARED_SCALE_SUFFIXES:
+                    values = [loaded.tensors.get(f"{m}.{suffix}") for m in modules]
+                    present = [float(np.asarray(v).reshape(-1)[0]) for v in values if v is not None]
+                    if len(set(present)) > 1:
+                        problems.append(f"layer {i} expert {e}: {suffix} of {modules} differ: "
+                                        f"{present}")  # fmt: skip
+                    if any(v == 0 for v in present):
+                        problems.append(f"layer {i} expert {e}: a zero {suffix} in {modules}")
+    return problems
 
 
 def _metadata_problems(loaded: LoadedExport) -> list[str]:

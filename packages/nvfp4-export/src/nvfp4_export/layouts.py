@@ -12,6 +12,7 @@ reciprocal), `<m>.input_global_scale` F32 [1] (W4A4); MXFP4 linears use "mxfp4-p
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -41,16 +42,27 @@ class LayoutPlan:
         fmt: "nvfp4" or "mxfp4" (the quantized linears' format; "bf16" when none is quantized).
         w4a4: input (activation) scales are written.
         excluded: HF module names kept in BF16 (lm_head first).
+        moe: the model has Mixture-of-Experts blocks.
     """
 
     layout: str
     fmt: str
     w4a4: bool
     excluded: tuple[str, ...]
+    moe: bool = False
 
 
-def plan_layout(layout: str, linears: list[ExportedLinear], *, weight_only: bool) -> LayoutPlan:
+def plan_layout(
+    layout: str,
+    linears: list[ExportedLinear],
+    *,
+    weight_only: bool,
+    always_bf16: tuple[str, ...] = (),
+) -> LayoutPlan:
     """Checks that `linears` fit `layout` and decides W4A4 vs weight-only.
+
+    `always_bf16` names the linear modules that are never quantized and are not among
+    `linears` (MoE routers, Qwen2-MoE's shared-expert gate): they are excluded like `lm_head`.
 
     W4A4 needs an `input_amax` on every NVFP4 linear (MXFP4 activations are scaled per block at run
     time, so MXFP4 W4A4 needs none: `ExportFormat.calibrated_input`).
@@ -76,13 +88,18 @@ def plan_layout(layout: str, linears: list[ExportedLinear], *, weight_only: bool
     has_amax = bool(quantized) and all(m.input_amax is not None for m in quantized)
     needs_no_amax = fmt != BF16 and not FORMATS[fmt].calibrated_input
     w4a4 = not weight_only and (needs_no_amax or has_amax)
-    excluded = ("lm_head", *[m.name for m in linears if m.fmt == BF16])
-    return LayoutPlan(layout, fmt, w4a4, excluded)
+    excluded = ("lm_head", *always_bf16, *[m.name for m in linears if m.fmt == BF16])
+    moe = any(".experts." in m.name for m in linears)
+    return LayoutPlan(layout, fmt, w4a4, excluded, moe)
 
 
 FUSED_MODULES = (
     ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    (
+        "mlp.shared_expert.gate_up_proj",
+        ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+    ),
 )
 """The modules servers fuse (their name, then the checkpoint modules they load into them)."""
 
@@ -97,7 +114,11 @@ def fused_exclusions(excluded: tuple[str, ...]) -> tuple[str, ...]:
     when the config carries no `packed_modules_mapping`, and TensorRT-LLM (compressed-tensors
     `ignore` becomes `exclude_modules`, fnmatch'ed against `qkv_proj` / `gate_up_proj`; releases
     before its per-shard candidates only that name). Listing only `q_proj`, `k_proj`, `v_proj`
-    makes them build an NVFP4 `qkv_proj` and fail on (or misread) the BF16 weights. The fused
+    makes them build an NVFP4 `qkv_proj` and fail on (or misread) the BF16 weights. The same goes
+    for an MoE block's experts: vLLM's ModelOpt `is_layer_excluded` and SGLang's match the fused
+    MoE layer's own name (`model.layers.<i>.mlp.experts`), so a BF16 block's per-expert names are
+    followed by it (vLLM's compressed-tensors path asks for expert 0's per-expert names,
+    `CompressedTensorsMoEMethod.get_moe_method`, which are listed too). The fused
     names are added only for groups whose every part is BF16, so vLLM's fused-aware rule, which
     raises on "some but not all shards", still sees whole groups (and takes a listed fused name
     as it is). Exact names only: a wildcard such as `model.layers.1*` would also match layers 10
@@ -110,7 +131,18 @@ def fused_exclusions(excluded: tuple[str, ...]) -> tuple[str, ...]:
                 prefix = module[: -len(parts[0])]
                 if all(prefix + part in names for part in parts):
                     fused.append(prefix + fused_name)
+        experts = _EXPERT_MODULE.match(module)
+        if experts and experts.group(1) not in fused:
+            fused.append(experts.group(1))
     return tuple(fused)
+
+
+_EXPERT_MODULE = re.compile(
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.\d+\.[^.]+$"
+)
+"""A routed expert's module; group 1 is the fused MoE layer servers build for its block
+(`model.layers.{i}.mlp.experts`). A block's experts are BF16 all together or not at all
+(`expert_scales.refuse_mixed_experts`), so one excluded expert module means the whole layer."""
 
 
 def excluded_modules(plan: LayoutPlan) -> list[str]:

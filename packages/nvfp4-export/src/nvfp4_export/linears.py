@@ -18,14 +18,26 @@ from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import BF16, FORMATS
 from nvfp4_export.model_spec import LlamaSpec
+from nvfp4_export.moe_spec import SHARED_LINEARS, expert_modules, is_expert_linear, shared_modules
 from nvfp4_export.policy import WeightFormat, weight_format
 
 _NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-def hf_modules(spec: LlamaSpec, source: str) -> list[tuple[str, int]]:
-    """(HF module name, output rows) in the order the fused output of `source` holds them."""
+def hf_modules(spec: LlamaSpec, source: str, expert: int | None = None) -> list[tuple[str, int]]:
+    """(HF module name, output rows) in the order the fused output of `source` holds them; for a
+    routed experts' linear (`mlp.experts.gate_up`) every expert's modules in expert order, or
+    only those of `expert`."""
     prefix, kind = source.split(".", 2)[:2], source.split(".", 2)[2]
+    layer = int(prefix[1])
+    if is_expert_linear(source):
+        rows = spec.expert_mlp_dim if kind.endswith("gate_up") else spec.d_model
+        experts = range(spec.num_experts) if expert is None else [expert]
+        arch = spec.architecture
+        return [(n, rows) for e in experts for n in expert_modules(arch, layer, kind, e)]
+    if kind in SHARED_LINEARS:
+        rows = spec.shared_mlp_dim if kind.endswith("gate_up") else spec.d_model
+        return [(n, rows) for n in shared_modules(spec.architecture, layer, kind)]
     base = f"model.{prefix[0]}.{prefix[1]}."
     q, k, v = spec.qkv_split
     table = {
@@ -35,6 +47,14 @@ def hf_modules(spec: LlamaSpec, source: str) -> list[tuple[str, int]]:
         "mlp.down": [("mlp.down_proj", spec.d_model)],
     }
     return [(base + name, rows) for name, rows in table[kind]]
+
+
+def in_features(spec: LlamaSpec, source: str) -> int:
+    """The input width of training linear `source` (of each expert's, for the experts)."""
+    kind = source.split(".", 2)[2]
+    widths = {"attn.o": spec.num_heads * spec.head_dim, "mlp.down": spec.mlp_dim,
+              "mlp.experts.down": spec.expert_mlp_dim, "mlp.shared.down": spec.shared_mlp_dim}  # fmt: skip
+    return widths.get(kind, spec.d_model)
 
 
 def compute_weight_t(kernel_IxO: np.ndarray, dtype: str) -> np.ndarray:
@@ -65,10 +85,21 @@ def _quantized_parts(
         ) from err
 
 
+def _per_expert(input_amax, count: int) -> list:
+    """One input amax per expert: the list given, or `input_amax` (None) for each."""
+    if isinstance(input_amax, (list, tuple)):
+        return list(input_amax)
+    return [input_amax] * count
+
+
 def export_linear(
-    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, recipe: str, input_amax: float | None
+    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, recipe: str, input_amax
 ) -> list[ExportedLinear]:
     """The HF modules of training linear `source` (fused outputs split), quantized per `recipe`.
+
+    A routed experts' linear (kernel [E, in, out], `input_amax` a list of one amax per expert or
+    None) is quantized expert by expert, each with its own global amax over its gate | up (as
+    training's grouped GEMM does), so gate and up share one global scale by construction.
 
     Example:
         >>> spec = LlamaSpec(vocab_size=32, d_model=32, num_layers=1, num_heads=2,
@@ -77,9 +108,20 @@ def export_linear(
         >>> [m.packed.shape for m in export_linear(spec, "layers.0.attn.qkv", k, "nvfp4", None)]
         [(32, 16), (16, 16), (16, 16)]
     """
+    if is_expert_linear(source):
+        amax = _per_expert(input_amax, spec.num_experts)
+        return [
+            m
+            for e in range(spec.num_experts)
+            for m in _export_one(spec, source, kernel_IxO[e], recipe, amax[e], e)
+        ]
+    return _export_one(spec, source, kernel_IxO, recipe, input_amax, None)
+
+
+def _export_one(spec, source, kernel_IxO, recipe, input_amax, expert) -> list[ExportedLinear]:
     wf = weight_format(recipe, source)
     w_t = compute_weight_t(kernel_IxO, spec.dtype)
-    parts = _split_rows(hf_modules(spec, source))
+    parts = _split_rows(hf_modules(spec, source, expert))
     if wf.fmt == BF16:
         w_bf16 = w_t.astype(ml_dtypes.bfloat16)
         return [ExportedLinear(n, source, BF16, weight=w_bf16[rows]) for n, rows in parts]
@@ -106,13 +148,24 @@ def _placeholder(dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def planned_linear(
-    spec: LlamaSpec, source: str, in_features: int, recipe: str, input_amax: float | None
+    spec: LlamaSpec, source: str, in_features: int, recipe: str, input_amax
 ) -> list[ExportedLinear]:
     """The HF modules `export_linear` gives for `source`, with placeholder data: right names,
     formats, dtypes and shapes, no values (what the layout and the weight files' headers need
     before any weight is read)."""
+    if is_expert_linear(source):
+        amax = _per_expert(input_amax, spec.num_experts)
+        return [
+            m
+            for e in range(spec.num_experts)
+            for m in _planned_one(spec, source, in_features, recipe, amax[e], e)
+        ]
+    return _planned_one(spec, source, in_features, recipe, input_amax, None)
+
+
+def _planned_one(spec, source, in_features, recipe, input_amax, expert) -> list[ExportedLinear]:
     wf = weight_format(recipe, source)
-    parts = hf_modules(spec, source)
+    parts = hf_modules(spec, source, expert)
     if wf.fmt == BF16:
         return [
             ExportedLinear(

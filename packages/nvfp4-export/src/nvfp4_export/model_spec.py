@@ -10,7 +10,13 @@ Parameter names (the training model's tree, float32, kernels [in, out]):
     [D], with `qk_norm` layers.{i}.attn.q_norm.scale and layers.{i}.attn.k_norm.scale [K].
 
 `architecture` is the Hugging Face `model_type` the export is written as (llama, mistral, qwen2,
-qwen3); the bias and norm options are those its model class builds.
+qwen3, and the Mixture-of-Experts qwen3_moe, mixtral, qwen2_moe); the bias and norm options are
+those its model class builds. An MoE block `i` (`LlamaSpec.is_moe_layer`) has instead of
+`mlp.gate_up` / `mlp.down`: layers.{i}.mlp.router.kernel [D, E], layers.{i}.mlp.router.score_bias
+[E] (zero: no exported class has it), layers.{i}.mlp.experts.gate_up.kernel [E, D, 2F] (per expert
+gate | up), layers.{i}.mlp.experts.down.kernel [E, F, D], and with a shared expert
+layers.{i}.mlp.shared.gate_up.kernel [D, 2S], layers.{i}.mlp.shared.down.kernel [S, D],
+layers.{i}.mlp.shared_gate.kernel [D, 1] (`moe_spec`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ from nvfp4_export.dense_names import (
     DenseTensor,
 )
 from nvfp4_export.errors import ExportError
+from nvfp4_export.moe_spec import (
+    EXPERT_LINEARS,
+    MOE_CLASSES,
+    SHARED_LINEARS,
+    moe_fields,
+    router_tensor,
+    shared_gate_tensor,
+)
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -39,6 +53,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **{kind: names.hf_class for kind, names in MOE_CLASSES.items()},
 }
 """Hugging Face `model_type` -> its causal-LM class (config.json `architectures`)."""
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -49,6 +64,10 @@ ARCHITECTURE_OPTIONS = {
     "qwen2": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
     "qwen3": ({"qkv_bias": False, "o_bias": False, "qk_norm": True},
               {"qkv_bias": True, "o_bias": True, "qk_norm": True}),
+    "qwen3_moe": ({"qkv_bias": False, "o_bias": False, "qk_norm": True},
+                  {"qkv_bias": True, "o_bias": True, "qk_norm": True}),
+    "mixtral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
+    "qwen2_moe": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
 }  # fmt: skip
 """`model_type` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class can build: Llama's and
 Qwen 3's `attention_bias` switches the q/k/v and o_proj biases together, Qwen 2 always has q/k/v
@@ -84,8 +103,17 @@ class LlamaSpec:
     o_bias: bool = False
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_mlp_dim: int = 0
+    shared_mlp_dim: int = 0
+    shared_expert_gate: bool = False
+    norm_topk_prob: bool = True
+    moe_layer_freq: int = 1
+    moe_dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
         if self.dtype not in COMPUTE_DTYPES:
             raise ExportError(f"model.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
         if self.architecture not in ARCHITECTURES:
@@ -106,6 +134,8 @@ class LlamaSpec:
             "d_model": self.d_model,
             "mlp_dim": self.mlp_dim,
             "num_heads * head_dim": self.num_heads * self.head_dim,
+            "model.moe.expert_mlp_dim": self.expert_mlp_dim,
+            "the shared experts' width": self.shared_mlp_dim,
         }
         for name, width in widths.items():
             if width % 16:
@@ -150,9 +180,35 @@ class LlamaSpec:
         the spec's flag of that name is `t.when`."""
         return t.flag is None or getattr(self, t.flag) == t.when
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block `i` is an MoE block (training's `moe_config.is_moe_layer`; the first
+        dense blocks are among `moe_dense_layers`)."""
+        return bool(
+            self.num_experts
+            and (i + 1) % self.moe_layer_freq == 0
+            and i not in self.moe_dense_layers
+        )
+
+    def block_linear_names(self, i: int) -> tuple[str, ...]:
+        """The quantizable linears of block `i`, relative to `layers.{i}` (training's order)."""
+        if not self.is_moe_layer(i):
+            return LINEAR_NAMES
+        return (
+            "attn.qkv",
+            "attn.o",
+            *EXPERT_LINEARS,
+            *SHARED_LINEARS[: 2 * bool(self.shared_mlp_dim)],
+        )
+
     def linear_paths(self) -> list[str]:
         """`layers.{i}.attn.qkv`, ... for every quantizable linear, in model order."""
-        return [f"layers.{i}.{n}" for i in range(self.num_layers) for n in LINEAR_NAMES]
+        return [
+            f"layers.{i}.{n}" for i in range(self.num_layers) for n in self.block_linear_names(i)
+        ]
+
+    def moe_layers(self) -> list[int]:
+        """The MoE blocks."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """`dense_names` key (per-layer ones unplaced: "attn_norm", ...) -> its parameter's shape."""
@@ -171,12 +227,42 @@ class LlamaSpec:
             p = f"layers.{i}."
             shapes[p + "attn.qkv.kernel"] = (d, sum(self.qkv_split))
             shapes[p + "attn.o.kernel"] = (self.num_heads * self.head_dim, d)
-            shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
-            shapes[p + "mlp.down.kernel"] = (f, d)
+            if self.is_moe_layer(i):
+                shapes.update({p + k: v for k, v in self._moe_shapes().items()})
+            else:
+                shapes[p + "mlp.gate_up.kernel"] = (d, 2 * f)
+                shapes[p + "mlp.down.kernel"] = (f, d)
             for t in LAYER_TENSORS:
                 if self.has(t):
                     shapes[t.in_layer(i).param] = dense[t.key]
         return shapes
+
+    def _moe_shapes(self) -> dict[str, tuple[int, ...]]:
+        """An MoE block's MLP parameters (relative to `layers.{i}.`) -> shapes."""
+        d, e, f, s = self.d_model, self.num_experts, self.expert_mlp_dim, self.shared_mlp_dim
+        shapes = {
+            "mlp.router.kernel": (d, e), "mlp.router.score_bias": (e,),
+            "mlp.experts.gate_up.kernel": (e, d, 2 * f), "mlp.experts.down.kernel": (e, f, d),
+        }  # fmt: skip
+        if s:
+            shapes |= {"mlp.shared.gate_up.kernel": (d, 2 * s), "mlp.shared.down.kernel": (s, d)}
+        if self.shared_expert_gate:
+            shapes["mlp.shared_gate.kernel"] = (d, 1)
+        return shapes
+
+
+def moe_dense_entries(spec: LlamaSpec, i: int) -> list[DenseTensor]:
+    """The BF16 tensors of MoE block `i` besides its linears: the router [E, D] and Qwen2-MoE's
+    shared-expert gate [1, D] (both transposed from their [D, E] / [D, 1] kernels)."""
+    if not spec.is_moe_layer(i):
+        return []
+    p, arch = f"layers.{i}.", spec.architecture
+    out = [DenseTensor(p + "router", p + "mlp.router.kernel", router_tensor(arch, i),
+                       transposed=True, layer=i)]  # fmt: skip
+    if spec.shared_expert_gate:
+        out.append(DenseTensor(p + "shared_gate", p + "mlp.shared_gate.kernel",
+                               shared_gate_tensor(i), transposed=True, layer=i))  # fmt: skip
+    return out
 
 
 def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
@@ -189,7 +275,14 @@ def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
         >>> [t.hf_name for t in dense_entries(spec) if t.layer is not None][-2:]
         ['model.layers.0.self_attn.q_norm.weight', 'model.layers.0.self_attn.k_norm.weight']
     """
-    layers = [t.in_layer(i) for i in range(spec.num_layers) for t in LAYER_TENSORS]
+    layers = [
+        t
+        for i in range(spec.num_layers)
+        for t in [
+            *(t.in_layer(i) for t in LAYER_TENSORS if spec.has(t)),
+            *moe_dense_entries(spec, i),
+        ]
+    ]
     return [t for t in (EMBED, *layers, FINAL_NORM, LM_HEAD) if spec.has(t)]
 
 
@@ -216,12 +309,6 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
         raise ExportError("the checkpoint config has no 'model' section")
     if EMBED.param not in params:
         raise ExportError(f"params lack {EMBED.param!r}; have {sorted(params)[:6]}...")
-    moe = model.get("moe")
-    if isinstance(moe, dict) and moe.get("num_experts"):
-        raise ExportError(
-            f"the checkpoint is of a Mixture-of-Experts model (model.moe.num_experts="
-            f"{moe['num_experts']}); this version of nvfp4-export writes dense models only"
-        )
     try:
         heads = int(model["num_heads"])
         spec = LlamaSpec(
@@ -242,6 +329,7 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
             o_bias=bool(model.get("o_bias", False)),
             qk_norm=bool(model.get("qk_norm", False)),
             rope_scaling=_rope_scaling(model.get("rope_scaling")),
+            **moe_fields(model),
         )
     except KeyError as err:
         raise ExportError(f"the checkpoint config's model section lacks {err}") from err

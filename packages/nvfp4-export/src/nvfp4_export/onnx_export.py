@@ -54,6 +54,11 @@ def export_onnx(
     for note in ckpt.notes:
         log("warning: " + note)
     spec = spec_from_config(ckpt.config, ckpt.params)
+    if spec.num_experts:
+        raise ExportError(
+            f"ONNX export of Mixture-of-Experts models ({spec.architecture}) is not implemented; "
+            "export it with `nvfp4-export hf` (ModelOpt or compressed-tensors)"
+        )
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
     linears = []
     for path in spec.linear_paths():

@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from nvfp4_export.errors import ExportError
-from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec
+from nvfp4_export.model_spec import LlamaSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _rule_recipes(spec: LlamaSpec, precision: dict[str, Any]) -> dict[str, str]:
     recipe, n = str(precision.get("recipe", "nvfp4")), spec.num_layers
     names = {}
     for i in range(n):
-        for linear in LINEAR_NAMES:
+        for linear in spec.block_linear_names(i):
             names[f"layers.{i}.{linear}"] = "bf16" if i < first or i >= n - last else recipe
     for text in precision.get("overrides", []) or []:
         if not isinstance(text, str) or "=" not in text:

@@ -31,7 +31,8 @@ from nvfp4_export.hf_files import (
 )
 from nvfp4_export.linears import dequantize_linear, export_linear, hf_modules
 from nvfp4_export.manifest import MANIFEST
-from nvfp4_export.model_spec import LINEAR_NAMES, LlamaSpec, dense_entries
+from nvfp4_export.model_spec import LlamaSpec, dense_entries, moe_dense_entries
+from nvfp4_export.moe_spec import is_expert_linear
 from nvfp4_export.policy import weight_format
 from nvfp4_export.shard_writer import DTYPE_TAG, INDEX_FILE, SINGLE_FILE
 from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
@@ -227,12 +228,17 @@ def forward_weights(
     layers = []
     for i in range(spec.num_layers):
         layer = {n: dense[layer_tensor(n, i).key] for n in dense_layer_names(spec)}
-        for kind in LINEAR_NAMES:
+        layer |= {t.key.rsplit(".", 1)[1]: dense[t.key] for t in moe_dense_entries(spec, i)}
+        for kind in spec.block_linear_names(i):
             source = f"layers.{i}.{kind}"
-            mods = linears[source]
-            layer[kind.split(".")[1]] = _fused(
-                mods, _act_fmt(recipes[source], source), mods[0].input_amax
-            )
+            mods, act = linears[source], _act_fmt(recipes[source], source)
+            key = kind.split(".", 1)[1].replace(".", "_")
+            if is_expert_linear(source):
+                per = len(mods) // spec.num_experts
+                groups = [mods[k : k + per] for k in range(0, len(mods), per)]
+                layer[key] = [_fused(g, act, g[0].input_amax) for g in groups]
+            else:
+                layer[key] = _fused(mods, act, mods[0].input_amax)
         layers.append(layer)
     return ForwardWeights(
         spec, dense[EMBED.key], dense[FINAL_NORM.key], dense[LM_HEAD.key], tuple(layers)
@@ -284,13 +290,29 @@ def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
     linears = {}
     for source in spec.linear_paths():
         mods = [linear_from_tensors(loaded, n, source) for n, _ in hf_modules(spec, source)]
-        linears[source] = [dataclasses.replace(m, input_amax=amax.get(source)) for m in mods]
+        per_module = _module_amax(spec, source, amax.get(source), len(mods))
+        linears[source] = [
+            dataclasses.replace(m, input_amax=a) for m, a in zip(mods, per_module, strict=True)
+        ]
     dense = {entry.key: _from_hf(spec, entry, f32) for entry in dense_entries(spec)}
     return forward_weights(spec, linears, recipes, _with_tied_head(spec, dense))
 
 
+def _module_amax(spec: LlamaSpec, source: str, amax, count: int) -> list:
+    """The input amax of each of `count` HF modules of `source`: a routed experts' list spread
+    over each expert's modules, else the one value for all."""
+    if not is_expert_linear(source) or amax is None:
+        return [amax] * count
+    per = count // spec.num_experts
+    return [amax[k // per] for k in range(count)]
+
+
 def _bf16_round(a: np.ndarray) -> np.ndarray:
     return a.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _is_linear(v) -> bool:
+    return isinstance(v, (ForwardLinear, list))
 
 
 def bf16_dense(w: ForwardWeights) -> ForwardWeights:
@@ -303,13 +325,22 @@ def bf16_dense(w: ForwardWeights) -> ForwardWeights:
         >>> same = forward(bf16_dense(weights_from_checkpoint(ckpt, spec, recipes, {})), tokens)  # doctest: +SKIP
     """
     layers = tuple(
-        {k: (v if isinstance(v, ForwardLinear) else _bf16_round(v)) for k, v in layer.items()}
+        {k: (v if _is_linear(v) else _bf16_round(v)) for k, v in layer.items()}
         for layer in w.layers
     )
     return dataclasses.replace(
         w, embed_VxD=_bf16_round(w.embed_VxD), lm_head_VxD=_bf16_round(w.lm_head_VxD),
         final_norm=_bf16_round(w.final_norm), layers=layers,
     )  # fmt: skip
+
+
+def _bf16_linear(v):
+    """A `ForwardLinear` (or an expert list of them) with BF16-rounded weights; else `v`."""
+    if isinstance(v, list):
+        return [_bf16_linear(x) for x in v]
+    if isinstance(v, ForwardLinear):
+        return dataclasses.replace(v, w_OxI=_bf16_round(v.w_OxI))
+    return v
 
 
 def bf16_weights(w: ForwardWeights) -> ForwardWeights:
@@ -319,15 +350,5 @@ def bf16_weights(w: ForwardWeights) -> ForwardWeights:
     Example:
         >>> hf_like = bf16_weights(weights_from_export(load_export("runs/tiny-ct")))  # doctest: +SKIP
     """
-    layers = tuple(
-        {
-            k: (
-                dataclasses.replace(v, w_OxI=_bf16_round(v.w_OxI))
-                if isinstance(v, ForwardLinear)
-                else v
-            )
-            for k, v in layer.items()
-        }
-        for layer in w.layers
-    )
+    layers = tuple({k: _bf16_linear(v) for k, v in layer.items()} for layer in w.layers)
     return dataclasses.replace(w, layers=layers)

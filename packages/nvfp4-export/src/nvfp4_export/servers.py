@@ -74,6 +74,13 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
         "qwen3": AttentionBiases(_AB, False, "vllm/model_executor/models/qwen3.py, "
                                  "Qwen3Attention: qkv_proj bias=attention_bias, o_proj bias=False; "
                                  "Qwen2Model.load_weights skips a .bias it has no parameter for"),
+        "qwen3_moe": AttentionBiases(_AB, False, "vllm/model_executor/models/qwen3_moe.py, "
+                                     "Qwen3MoeAttention: qkv_proj bias=qkv_bias (attention_bias), "
+                                     "o_proj bias=False"),
+        "mixtral": AttentionBiases(False, False, "vllm/model_executor/models/mixtral.py, "
+                                   "MixtralAttention: bias=False"),
+        "qwen2_moe": AttentionBiases(True, False, "vllm/model_executor/models/qwen2_moe.py, "
+                                     "Qwen2MoeAttention: qkv_proj bias=True, o_proj bias=False"),
     },
     "sglang": {
         "llama": AttentionBiases(_AB, _AB, "python/sglang/srt/models/llama.py, LlamaAttention: "
@@ -83,6 +90,13 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
         "qwen2": AttentionBiases(True, False, "python/sglang/srt/models/qwen2.py, Qwen2Attention"),
         "qwen3": AttentionBiases(_AB, _AB, "python/sglang/srt/models/qwen3.py, Qwen3Attention: "
                                  "qkv_proj and o_proj bias=attention_bias"),
+        "qwen3_moe": AttentionBiases(_AB, _AB, "python/sglang/srt/models/qwen3_moe.py, "
+                                     "Qwen3MoeAttention: qkv_proj and o_proj bias=attention_bias"),
+        "mixtral": AttentionBiases(False, False, "python/sglang/srt/models/mixtral.py, "
+                                   "MixtralAttention: bias=False"),
+        "qwen2_moe": AttentionBiases(True, False, "python/sglang/srt/models/qwen2_moe.py, "
+                                     "Qwen2MoeAttention: qkv_bias (config, default True), "
+                                     "o_proj bias=False"),
     },
     "tensorrt-llm": {
         "llama": AttentionBiases(_AB, _AB, "tensorrt_llm/_torch/models/modeling_llama.py, "
@@ -93,12 +107,23 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
                                  "QwenAttention: bias=True, dense_bias=False"),
         "qwen3": AttentionBiases(_AB, _AB, "tensorrt_llm/_torch/models/modeling_qwen3.py, "
                                  "Qwen3DecoderLayer: bias and dense_bias=attention_bias"),
+        "qwen3_moe": AttentionBiases(_AB, _AB, "tensorrt_llm/_torch/models/modeling_qwen3_moe.py "
+                                     "(its attention is modeling_qwen3.py's Qwen3Attention)"),
+        "mixtral": AttentionBiases(False, False, "tensorrt_llm/_torch/models/modeling_mixtral.py, "
+                                   "MixtralAttention: bias=False"),
+        "qwen2_moe": AttentionBiases(True, False, "tensorrt_llm/_torch/models/modeling_qwen_moe.py "
+                                     "(QwenAttention: bias=True, dense_bias=False)"),
     },
     "transformers": {
         "llama": AttentionBiases(_AB, _AB, "transformers LlamaAttention: bias=attention_bias"),
         "mistral": AttentionBiases(False, False, "transformers MistralAttention: bias=False"),
         "qwen2": AttentionBiases(True, False, "transformers Qwen2Attention: q/k/v bias=True"),
         "qwen3": AttentionBiases(_AB, _AB, "transformers Qwen3Attention: bias=attention_bias"),
+        "qwen3_moe": AttentionBiases(_AB, _AB, "transformers Qwen3MoeAttention: "
+                                     "bias=attention_bias"),
+        "mixtral": AttentionBiases(False, False, "transformers MixtralAttention: bias=False"),
+        "qwen2_moe": AttentionBiases(True, False, "transformers Qwen2MoeAttention: "
+                                     "q/k/v bias=qkv_bias, o_proj bias=False"),
     },
 }  # fmt: skip
 """server -> architecture -> the attention biases its class builds. Every server builds Qwen 3's
@@ -124,6 +149,15 @@ def layout_refusal(server: str, plan: LayoutPlan) -> str | None:
             "SGLang refuses quant_algo W4A16_NVFP4 (python/sglang/srt/layers/quantization/"
             "modelopt_quant.py, ModelOptFp4Config.from_config: quant_method not in "
             "['FP8', 'NVFP4']); export W4A4 (input scales from quant_stats or --calibrate N)"
+        )
+    if server == "transformers" and plan.layout == COMPRESSED_TENSORS and plan.moe:
+        return (
+            "transformers + compressed-tensors does not load NVFP4 experts as trained: its "
+            "dequantizing loader builds each expert from weight_packed, weight_scale and "
+            "weight_shape without its weight_global_scale, and drops BF16 experts "
+            "(transformers/integrations/compressed_tensors.py, CompressedTensorsDequantize."
+            "convert; transformers 5.25). Dequantize with compressed-tensors first "
+            "(nvfp4_export.clients.moe_dense_copy), or leave transformers out of --server"
         )
     weight_only_ct = plan.layout == COMPRESSED_TENSORS and plan.fmt == NVFP4.name and not plan.w4a4
     if server == "tensorrt-llm" and weight_only_ct:

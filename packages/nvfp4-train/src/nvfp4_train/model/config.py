@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import nvfp4_ops
 from nvfp4_train.model.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
-from nvfp4_train.model.moe_config import MoEConfig, is_moe_layer
+from nvfp4_train.model.moe_config import MoEConfig, check_moe_architecture, is_moe_layer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -39,8 +39,9 @@ MOE_LINEAR_NAMES = (
 the order their SR keys are derived (0..5). The router and the shared-expert gate never quantize."""
 BLOCK_KEYS = len(MOE_LINEAR_NAMES)
 """How many SR keys every block is given (a dense block uses the first four)."""
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-"""The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`)."""
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+"""The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`); the
+last three are Mixture-of-Experts classes (`moe_config.MOE_ARCHITECTURES`)."""
 AUTO_SCAN_LAYERS = 8
 """`scan_layers: auto` scans models of at least this many blocks."""
 _NAMES = jax.checkpoint_policies.save_only_these_names(nvfp4_ops.RESIDUAL_NAME)
@@ -128,8 +129,10 @@ class ModelConfig:
         o_bias: the output projection has a bias (Llama/Qwen 3 `attention_bias`).
         qk_norm: RMSNorm over each head's q and k before RoPE, one [head_dim] scale each (Qwen 3).
         architecture: the Hugging Face `model_type` the model is exported as ("llama",
-            "mistral", "qwen2", "qwen3"; `ARCHITECTURES`); the bias and norm options must be
-            ones it can express (e.g. qwen2: q/k/v biases and no o bias).
+            "mistral", "qwen2", "qwen3", and the MoE classes "qwen3_moe", "mixtral",
+            "qwen2_moe"; `ARCHITECTURES`); the bias and norm options must be ones it can express
+            (e.g. qwen2: q/k/v biases and no o bias), and an MoE class needs `moe` blocks it
+            builds (`moe_config.MOE_ARCHITECTURES`).
         init_from: a Hugging Face model directory (`config.json`, safetensors weights,
             `tokenizer.json`) to start from instead of a random init. The config loader fills
             this section from its `config.json` (`nvfp4_train.model.hf_config`); a fresh run reads
@@ -179,7 +182,9 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
-    architecture: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    architecture: Literal[
+        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"
+    ] = "llama"
     init_from: str = ""
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -269,6 +274,9 @@ ARCHITECTURE_OPTIONS = {
     "mistral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
     "qwen2": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
     "qwen3": tuple({"qkv_bias": b, "o_bias": b, "qk_norm": True} for b in (False, True)),
+    "qwen3_moe": tuple({"qkv_bias": b, "o_bias": b, "qk_norm": True} for b in (False, True)),
+    "mixtral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
+    "qwen2_moe": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
 }
 """`model.architecture` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class builds.
 nvfp4-export repeats this table (`nvfp4_export.model_spec.ARCHITECTURE_OPTIONS`) for hand-edited
@@ -284,6 +292,7 @@ def _check_architecture(cfg: ModelConfig) -> None:
             f"model.architecture={cfg.architecture!r} builds {' or '.join(map(str, allowed))}; "
             f"got {options}"
         )
+    check_moe_architecture(cfg.architecture, cfg.moe)
 
 
 def block_linear_names(cfg: ModelConfig, index: int) -> tuple[str, ...]:

@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from nvfp4_train.model.config import ARCHITECTURES, ROPE_TYPES, RopeScaling
+from nvfp4_train.model.hf_errors import HFConfigError
+from nvfp4_train.model.hf_moe import (
+    MOE_MODEL_TYPES,
+    merge_moe,
+    moe_section,
+    unsupported_model_type,
+)
 
+DENSE_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
+"""An MoE `model_type` -> the dense one whose attention it has (biases, q/k norms, windows)."""
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 _NOT_LLAMA_OPTIONS = {
@@ -31,11 +40,6 @@ _NOT_LLAMA_OPTIONS = {
     "mlp_bias": False,
 }
 """Hugging Face options whose only supported value is the one given (a different one is refused)."""
-
-
-class HFConfigError(ValueError):
-    """A Hugging Face model directory this trainer cannot start from (the config loader reports
-    it as a `ConfigError`)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    if hf.get("model_type") == "mistral":
+    if hf.get("model_type") in ("mistral", "mixtral"):
         return int(window)
     layer_types = hf.get("layer_types")
     if layer_types is None:  # qwen2/3 before `layer_types`: `use_sliding_window` from a layer on
@@ -113,6 +117,9 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
             quantized checkpoint, or a missing key.
     """
     kind = hf.get("model_type")
+    variant = unsupported_model_type(kind)
+    if variant is not None:
+        raise HFConfigError(f"model.init_from: {variant}")
     if kind not in ARCHITECTURES:
         raise HFConfigError(
             f"model.init_from: model_type {kind!r} is not supported (supported: {ARCHITECTURES})"
@@ -151,9 +158,12 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
     except (TypeError, ValueError) as e:
         raise HFConfigError(f"model.init_from: config.json has a malformed value: {e}") from None
     bias = bool(hf.get("attention_bias", False))
-    section["qkv_bias"] = True if kind == "qwen2" else bias and kind != "mistral"
-    section["o_bias"] = bias and kind in ("llama", "qwen3")
-    section["qk_norm"] = kind == "qwen3"
+    base = DENSE_BASE.get(kind, kind)
+    section["qkv_bias"] = True if base == "qwen2" else bias and base != "mistral"
+    section["o_bias"] = bias and base in ("llama", "qwen3")
+    section["qk_norm"] = base == "qwen3"
+    if kind in MOE_MODEL_TYPES:
+        section["moe"] = moe_section(hf)
     window = _sliding_window(hf)
     if max_seq_len is None:
         section["max_seq_len"] = min(limit, window) if window else limit
@@ -225,10 +235,17 @@ def fill_model_section(model: Mapping[str, Any]) -> dict[str, Any]:
     disagree = [
         f"model.{k}={model[k]!r} but {model_dir}/{CONFIG_FILE} gives {v!r}"
         for k, v in section.items()
-        if k in model and not _agrees(k, model[k], v, section)
+        if k in model and k != "moe" and not _agrees(k, model[k], v, section)
     ]
     if disagree:
         raise HFConfigError("model.init_from: " + "; ".join(disagree))
+    if "moe" in section:
+        section["moe"] = merge_moe(model.get("moe"), section["moe"], str(model_dir))
+    elif (model.get("moe") or {}).get("num_experts"):
+        raise HFConfigError(
+            f"model.init_from: {model_dir}/{CONFIG_FILE} is a dense {section['architecture']} "
+            "model; model.moe.num_experts must be 0 (absent) to start from it"
+        )
     return {**model, **section}
 
 

@@ -19,8 +19,7 @@ Example (`abstract` the run's params as ShapeDtypeStructs, `shardings` theirs):
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,10 @@ from nvfp4_format.safetensors_file import read_tensor
 from nvfp4_format.safetensors_header import SafetensorsHeader, read_safetensors_header
 from nvfp4_format.safetensors_index import read_safetensors_index
 from nvfp4_train.model.config import ModelConfig
-from nvfp4_train.model.hf_config import HFConfigError
+from nvfp4_train.model.hf_errors import HFImportError
+from nvfp4_train.model.hf_moe import check_experts, moe_sources
+from nvfp4_train.model.hf_sources import ExpertSources, Source
+from nvfp4_train.model.moe_config import is_moe_layer
 from nvfp4_train.model.stacking import is_stacked, layer_paths
 from nvfp4_train.tree_paths import key_names
 
@@ -42,26 +44,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Tensors of old checkpoints that are buffers, not weights (recomputed from the config)."""
 
 
-class HFImportError(HFConfigError):
-    """Weights of a Hugging Face model directory that cannot be imported (named with the reason):
-    a user error like the directory's other problems (one `error:` line, exit 2)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """How one canonical parameter is read: the HF tensors concatenated along its last axis.
-
-    Attributes:
-        parts: (HF tensor name, rows of the last axis it fills), in order.
-        transposed: HF stores it [out, in], the parameter is [in, out].
-    """
-
-    parts: tuple[tuple[str, int], ...]
-    transposed: bool = False
-
-
-def sources(cfg: ModelConfig) -> dict[str, Source]:
-    """Canonical parameter path (`layers.{i}.attn.qkv.kernel`, ...) -> where its values are."""
+def sources(cfg: ModelConfig, names: Collection[str] = ()) -> dict[str, Source | ExpertSources]:
+    """Canonical parameter path (`layers.{i}.attn.qkv.kernel`, ...) -> where its values are;
+    `names` (the checkpoint's tensor names) tells which layout an MoE block's experts are in
+    (`hf_moe.moe_sources`)."""
     hd = cfg.resolved_head_dim
     q, kv, f = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.mlp_dim
     out = {
@@ -91,6 +77,9 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
         if cfg.qk_norm:
             block["attn.q_norm.scale"] = Source(((attn + "q_norm.weight", hd),))
             block["attn.k_norm.scale"] = Source(((attn + "k_norm.weight", hd),))
+        if is_moe_layer(cfg.moe, i):
+            del block["mlp.gate_up.kernel"], block["mlp.down.kernel"]
+            block.update(moe_sources(cfg, i, names))
         out.update({ours + k: v for k, v in block.items()})
     return out
 
@@ -164,19 +153,23 @@ class _Reader:
                     f"config implies {shape}"
                 )
 
-    def copy(self, out: np.ndarray, name: str, index: tuple[slice, ...], transposed: bool) -> None:
-        """out[...] = tensor[index] (or its transpose), `index` slices of the stored tensor."""
+    def copy(self, out: np.ndarray, name: str, index: tuple[slice, ...], transposed: bool,
+             entry: int | None = None) -> None:  # fmt: skip
+        """out[...] = tensor[index] (or its transpose), `index` slices of the stored tensor (of
+        its entry `entry` along a leading stacked axis, when given)."""
         first = index[0]
         row_bytes = 4 * max(1, out.size // max(1, first.stop - first.start))
         step = max(1, CHUNK_BYTES // row_bytes)
         header = self.headers[self.files[name]]
         for lo in range(first.start, first.stop, step):
             hi = min(lo + step, first.stop)
-            chunk = read_tensor(header, name)[(slice(lo, hi), *index[1:])]
+            stored = read_tensor(header, name)
+            stored = stored if entry is None else stored[entry]
+            chunk = stored[(slice(lo, hi), *index[1:])]
             rows = slice(lo - first.start, hi - first.start)
             region = out[..., rows] if transposed else out[rows]
             region[...] = chunk.T if transposed else chunk
-            del chunk  # unmaps the tensor
+            del chunk, stored  # unmaps the tensor
             if not np.isfinite(region).all():
                 raise HFImportError(
                     f"model.init_from: tensor {name!r} holds NaN or Inf values; a run cannot "
@@ -194,6 +187,22 @@ def _hf_shape(source: Source, rows: int, shape: tuple[int, ...]) -> tuple[int, .
     return (rows, *shape[1:]) if len(shape) == 1 else shape
 
 
+def _expected_shapes(table: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> the shape the config implies (a stacked tensor with its expert axis)."""
+    expected = {}
+    for path, entry in table.items():
+        shape = shapes[path]
+        if isinstance(entry, ExpertSources):
+            items = [(source, shape[1:], len(entry.experts)) for source in entry.experts]
+        else:
+            items = [(entry, shape, None)]
+        for source, one, count in items:
+            for name, rows in source.parts:
+                hf = _hf_shape(source, rows, one)
+                expected[name] = hf if source.entry is None else (count, *hf)
+    return expected
+
+
 def _fill(reader: _Reader, out: np.ndarray, source: Source, index: tuple[slice, ...]) -> None:
     """out[...] = the values of `source` at `index` (step-1 slices over the parameter's shape),
     concatenated from its parts along the last axis."""
@@ -204,12 +213,24 @@ def _fill(reader: _Reader, out: np.ndarray, source: Source, index: tuple[slice, 
             part_rows = slice(lo - offset, hi - offset)
             dst = out[..., lo - last.start : hi - last.start]
             if source.transposed:  # stored [out, in]: its rows are our last axis
-                reader.copy(dst, name, (part_rows, index[0]), transposed=True)
+                reader.copy(dst, name, (part_rows, index[0]), True, source.entry)
             elif len(index) == 1:
-                reader.copy(dst, name, (part_rows,), transposed=False)
+                reader.copy(dst, name, (part_rows,), False, source.entry)
             else:  # one part (embedding): stored as the parameter
-                reader.copy(dst, name, (*index[:-1], part_rows), transposed=False)
+                reader.copy(dst, name, (*index[:-1], part_rows), False, source.entry)
         offset += rows
+
+
+def _fill_entry(reader: _Reader, out: np.ndarray, entry, index: tuple[slice, ...]) -> None:
+    """`_fill` for a table entry: a `Source` (no parts: zeros), or `ExpertSources` (one source
+    per index of the leading axis)."""
+    if isinstance(entry, ExpertSources):
+        for j, expert in enumerate(range(index[0].start, index[0].stop)):
+            _fill_entry(reader, out[j], entry.experts[expert], index[1:])
+    elif not entry.parts:
+        out[...] = 0
+    else:
+        _fill(reader, out, entry, index)
 
 
 def _aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
@@ -235,10 +256,10 @@ def _leaf_reader(
         index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
         out = _aligned_empty(tuple(s.stop - s.start for s in index))
         if not stacked:
-            _fill(reader, out, table[layers[0]], index)
+            _fill_entry(reader, out, table[layers[0]], index)
             return out
         for j, layer in enumerate(range(index[0].start, index[0].stop)):
-            _fill(reader, out[j], table[layers[layer]], index[1:])
+            _fill_entry(reader, out[j], table[layers[layer]], index[1:])
         return out
 
     return read
@@ -255,21 +276,16 @@ def load_hf_params(
             values.
     """
     files = tensor_files(model_dir)
-    table = sources(cfg)
+    table = sources(cfg, files)
     reader = _Reader(files)
+    check_experts(cfg, files, lambda n: tuple(reader.headers[files[n]].tensors[n].shape))
     canonical_shapes = _canonical_shapes(abstract_params)
     if set(canonical_shapes) != set(table):
         raise HFImportError(
             "model.init_from: the model's parameters do not match the import table: "
             f"{sorted(set(canonical_shapes) ^ set(table))[:6]}"
         )
-    reader.check(
-        {
-            name: _hf_shape(source, rows, canonical_shapes[path])
-            for path, source in table.items()
-            for name, rows in source.parts
-        }
-    )
+    reader.check(_expected_shapes(table, canonical_shapes))
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     leaves = []
     for (key_path, leaf), sharding in zip(flat, jax.tree.leaves(shardings), strict=True):
@@ -277,7 +293,7 @@ def load_hf_params(
         read = _leaf_reader(reader, table, key_names(key_path), shape)
         leaves.append(jax.make_array_from_callback(shape, sharding, read))
     params = jax.tree_util.tree_unflatten(treedef, leaves)
-    used = {name for source in table.values() for name, _ in source.parts}
+    used = set(_expected_shapes(table, canonical_shapes))
     unused = sorted(
         n for n in files if n not in used and not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_embeddings and n == "lm_head.weight")

@@ -130,3 +130,50 @@ def expert_capacity(moe: MoEConfig, tokens: int) -> int:
     if moe.capacity_factor == 0:
         return assignments
     return min(assignments, math.ceil(moe.capacity_factor * assignments / moe.num_experts))
+
+
+MOE_ARCHITECTURES = {
+    "qwen3_moe": {"shared_experts": (0,), "shared_expert_gate": (False,),
+                  "first_dense_layers": (0,), "bias_update_rate": (0.0,)},
+    "mixtral": {"shared_experts": (0,), "shared_expert_gate": (False,), "first_dense_layers": (0,),
+                "layer_freq": (1,), "dense_layers": ((),), "norm_topk_prob": (True,),
+                "bias_update_rate": (0.0,)},
+    "qwen2_moe": {"shared_experts": (1,), "shared_expert_gate": (True,),
+                  "first_dense_layers": (0,), "bias_update_rate": (0.0,)},
+}  # fmt: skip
+"""MoE `model.architecture` -> the `model.moe` values its Hugging Face class can build (key ->
+allowed values; keys not listed are free). Qwen3-MoE: routed experts only, dense blocks by
+`decoder_sparse_step` / `mlp_only_layers`; Mixtral: every block MoE, renormalised top-k; Qwen2-MoE:
+one gated shared expert besides the routed ones. No class has DeepSeek-V3's routing bias or its
+first dense blocks (a Qwen class spells those as `mlp_only_layers`: use `dense_layers`).
+nvfp4-export repeats this table (`nvfp4_export.moe_spec.MOE_ARCHITECTURES`);
+integration_tests/test_policy_agreement.py keeps the two equal."""
+
+
+def check_moe_architecture(architecture: str, moe: MoEConfig) -> None:
+    """Raises ValueError unless `moe` is a Mixture-of-Experts configuration the Hugging Face class
+    of `architecture` builds: an MoE class needs `num_experts > 0` and the values of
+    `MOE_ARCHITECTURES`; a dense class may hold MoE blocks (trained, but not exported as it).
+
+    Example:
+        >>> check_moe_architecture("mixtral", MoEConfig(num_experts=4, expert_mlp_dim=16,
+        ...                                              shared_experts=1))
+        Traceback (most recent call last):
+        ...
+        ValueError: model.architecture='mixtral' builds model.moe.shared_experts in (0,), got 1
+    """
+    rules = MOE_ARCHITECTURES.get(architecture)
+    if rules is None:
+        return
+    if not moe.num_experts:
+        raise ValueError(
+            f"model.architecture={architecture!r} is a Mixture-of-Experts class and needs "
+            "model.moe.num_experts > 0, got 0"
+        )
+    for key, allowed in rules.items():
+        value = getattr(moe, key)
+        if value not in allowed:
+            raise ValueError(
+                f"model.architecture={architecture!r} builds model.moe.{key} in {allowed}, "
+                f"got {value!r}"
+            )
