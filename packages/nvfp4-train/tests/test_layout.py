@@ -21,7 +21,7 @@ PACKAGE = Path(nvfp4_train.__file__).parent
 
 FLOORS = (
     ("errors", "tree_paths", "mesh_axes"),
-    ("data", "model"),
+    ("data", "model", "tasks"),
     ("precision", "mesh", "optim"),
     ("checkpoint", "observe"),
     ("config",),
