@@ -12,12 +12,12 @@ from nvfp4_train.tasks.scoring import (
     rolling_metrics,
     score_task,
 )
+from nvfp4_train.tasks.task_error import TaskError
 from nvfp4_train.tasks.task_files import (
     MULTIPLE_CHOICE,
     ROLLING,
     ChoiceExample,
     Task,
-    TaskError,
     load_task,
 )
 from nvfp4_train.tasks.windows import Window, choice_window, encode_pair, rolling_windows

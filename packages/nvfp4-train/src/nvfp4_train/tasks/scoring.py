@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nvfp4_train.tasks.task_files import MULTIPLE_CHOICE, Task, TaskError
+from nvfp4_train.tasks.task_error import TaskError
+from nvfp4_train.tasks.task_files import MULTIPLE_CHOICE, Task
 from nvfp4_train.tasks.windows import (
     LogProbFn,
     choice_window,

@@ -22,15 +22,11 @@ from typing import Any, Literal
 
 import yaml
 
-from nvfp4_train.errors import DataError
+from nvfp4_train.tasks.task_error import TaskError
 from nvfp4_train.tasks.template import render
 
 MULTIPLE_CHOICE = "multiple_choice"
 ROLLING = "loglikelihood_rolling"
-
-
-class TaskError(DataError):
-    """A task file the evaluation cannot read (the CLI prints it and exits 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +273,9 @@ def _yaml_example(spec: dict, doc: dict, where: str) -> ChoiceExample:
         raise TaskError(f"{where}: doc_to_choice must give a list, got {choices!r}")
     choices = _choices([str(c) if isinstance(c, int) else c for c in choices], where)
     target = _value(spec, "doc_to_target", doc, where)
-    if isinstance(target, str) and target.strip().isdigit():
+    rule = spec["doc_to_target"]
+    templated = isinstance(rule, str) and rule not in doc  # lm-eval: a rendered digit is an index
+    if isinstance(target, str) and templated and target.strip().isdigit():
         target = int(target)
     elif isinstance(target, str):
         if target not in choices:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nvfp4_train.errors import DataError
+from nvfp4_train.tasks.task_error import TaskError
 
 PLACEHOLDER = re.compile(r"\{\{(.*?)\}\}", re.S)
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 
 
-class TemplateError(DataError):
+class TemplateError(TaskError):
     """A template this substitution does not read, or a name the document lacks."""
 
 
