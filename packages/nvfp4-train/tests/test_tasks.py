@@ -4,6 +4,7 @@ and by `nvfp4-train eval --tasks`), its per-example log-likelihoods equal to the
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -225,3 +226,110 @@ def test_unscorable_examples_are_named(tmp_path):
     task = load_task(_jsonl(tmp_path / "noctx.jsonl", rows))
     with pytest.raises(TaskError, match=r"noctx\.jsonl:1: empty context"):
         score_task(task, id_tokenizer(8), _target_logprob, seq_len=4, batch_size=2)
+
+
+# ------------------------------------------------------------------------------ a tiny run
+
+
+@pytest.fixture(scope="module")
+def scored_run(tmp_path_factory, tiny_config):
+    """A 4-step run of the tiny config with its one block quantized (NVFP4) and `eval.tasks` (a
+    multiple-choice JSONL and a text) scored at steps 2 and 4; checkpoint at 4."""
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.run import run
+
+    root = tmp_path_factory.mktemp("scored")
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(5):
+        context = " ".join(f"t{t}" for t in rng.integers(0, 64, 3 + 9 * i))  # up to 39 tokens
+        choices = [" ".join(f"t{t}" for t in rng.integers(0, 64, 1 + c)) for c in range(3)]
+        rows.append({"context": context, "choices": choices, "gold": i % 3})
+    mc = _jsonl(root / "mc.jsonl", rows)
+    text = _write(root / "doc.txt", " ".join(f"t{t}" for t in rng.integers(0, 64, 70)))
+    cfg = tiny_config(
+        root / "run",
+        precision={"bf16_first_layers": 0, "bf16_last_layers": 0},
+        train={"steps": 4, "eval_every": 2},
+        checkpoint={"every_steps": 4},
+        eval={"tasks": [str(mc), str(text)], "batch_size": 4},
+    )
+    run(config_from_dict(cfg), stream=io.StringIO())
+    return root / "run", mc, text
+
+
+def test_loop_rows_hold_task_metrics(scored_run):
+    from nvfp4_train.observe.metrics import read_metrics
+
+    run_dir, _, _ = scored_run
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "task/mc/acc" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:
+        assert 0 <= row["task/mc/acc"] <= 1 and row["task/mc/examples"] == 5
+        assert row["task/mc/truncated"] == 3  # contexts of 39 tokens + a choice > 32 + 1
+        assert row["task/doc/tokens"] == 69 and row["task/doc/perplexity"] > 1
+        assert "val_loss" in row
+    assert rows[0]["task/doc/loglikelihood"] != rows[1]["task/doc/loglikelihood"]
+
+
+def test_cli_scores_like_the_loop_and_the_training_loss(scored_run, tmp_path, capsys):
+    """`eval --tasks` of the step-4 checkpoint: the loop's numbers at step 4; each choice's
+    log-likelihood is minus the training loss (`optax` cross-entropy of `step.forward`) summed
+    over its continuation tokens, with the batches laid out by hand, exactly."""
+    import jax
+    import optax
+
+    from nvfp4_train.observe.metrics import read_metrics
+    from nvfp4_train.training.downstream import logprob_function
+    from nvfp4_train.training.evaluation import eval_graphdef, newest_state
+    from nvfp4_train.training.session import load_run_config, with_data
+    from nvfp4_train.training.step import forward
+
+    run_dir, mc, text = scored_run
+    out = tmp_path / "results.json"
+    assert main(["eval", str(run_dir), "--tasks", str(mc), str(text), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mc" in printed and "acc_norm" in printed and "bits_per_byte" in printed
+    document = json.loads(out.read_text())
+    assert (document["step"], document["forward"], document["seq_len"]) == (4, "run", 32)
+    loop_row = [r for r in read_metrics(run_dir / "metrics.jsonl") if "task/mc/acc" in r][-1]
+    for task in ("mc", "doc"):
+        for metric, value in document["tasks"][task].items():
+            if isinstance(value, float):
+                assert loop_row[f"task/{task}/{metric}"] == value, (task, metric)
+    assert main(["eval", str(run_dir), "--tasks", str(mc), "-o", str(out)]) == 2  # kept
+    assert "exists" in capsys.readouterr().err
+
+    cfg, datasets = with_data(load_run_config(run_dir))
+    graphdef, restored = newest_state(cfg, run_dir, io.StringIO())
+    model = eval_graphdef(cfg, graphdef, "run", restored.step)
+    params, tok = restored.state.params, datasets.tokenizer
+    task = load_task(mc)
+    result = score_task(task, tok, logprob_function(model, params, seed=cfg.train.seed),
+                        seq_len=32, batch_size=4)  # fmt: skip
+    assert result.metrics["acc"] == document["tasks"]["mc"]["acc"]
+
+    @jax.jit
+    def token_losses(inputs, targets):
+        logits = forward(model, params, inputs, jax.random.key(cfg.train.seed))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+    requests = [(e, c) for e in task.examples for c in e.choices]
+    expected = []
+    for first in range(0, len(requests), 4):
+        inputs, targets, spans = np.zeros((4, 32), np.int32), np.zeros((4, 32), np.int32), []
+        for row, (example, choice) in enumerate(requests[first : first + 4]):
+            context = tok.encode(example.context)
+            tokens = (context + tok.encode(choice))[-33:]  # cut from the left
+            n = len(tokens) - 1
+            inputs[row, :n], targets[row, :n] = tokens[:-1], tokens[1:]
+            spans.append((n - len(tok.encode(choice)), n))
+        losses = np.asarray(token_losses(inputs, targets))
+        expected += [-np.sum(losses[r, a:b].astype(np.float64)) for r, (a, b) in enumerate(spans)]
+    got = [ll for lls in result.loglikelihoods for ll in lls]
+    assert got == expected  # exactly
+
+    bf16 = score_task(task, tok, logprob_function(eval_graphdef(cfg, graphdef, "bf16", 4), params,
+                      seed=cfg.train.seed), seq_len=32, batch_size=4)  # fmt: skip
+    assert bf16.loglikelihoods != result.loglikelihoods  # the block's forward is quantized
+    np.testing.assert_allclose(bf16.loglikelihoods[0], result.loglikelihoods[0], rtol=0.2)
