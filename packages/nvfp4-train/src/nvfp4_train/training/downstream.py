@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import jax
 import numpy as np
@@ -129,6 +129,39 @@ class _Progress:
             self._bar.stop()
 
 
+class RunScorer(NamedTuple):
+    """What scores requests with a run's checkpoint: its tokenizer, `logprob_fn` (see
+    `nvfp4_train.tasks.windows.LogProbFn`), the row length `seq_len` (`model.max_seq_len`), the
+    checkpoint's step and the run's config."""
+
+    tokenizer: Any
+    logprob_fn: Callable
+    seq_len: int
+    step: int
+    config: Any
+
+
+def run_scorer(run_dir: str | Path, *, forward: str = "run", stream: TextIO | None = None):
+    """The `RunScorer` of the newest readable checkpoint of `run_dir` with `forward` (as
+    `evaluation.evaluate_run`'s: "run", "quantized" or "bf16").
+
+    Raises:
+        ConfigError: not a run directory, or no readable checkpoint.
+        ValueError: `forward` is not one of `EVAL_FORWARDS`.
+    """
+    if forward not in EVAL_FORWARDS:
+        raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
+    stream = sys.stdout if stream is None else stream
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    with exclusive(run_dir):
+        cfg, datasets = with_data(cfg)
+        graphdef, restored = newest_state(cfg, run_dir, stream)
+    model = eval_graphdef(cfg, graphdef, forward, restored.step)
+    logprob_fn = logprob_function(model, restored.state.params, seed=cfg.train.seed)
+    return RunScorer(datasets.tokenizer, logprob_fn, cfg.model.max_seq_len, restored.step, cfg)
+
+
 def evaluate_run_tasks(
     run_dir: str | Path, task_paths: Sequence[str | Path], *, forward: str = "run",
     batch_size: int = 8, output: str | Path | None = None, stream: TextIO | None = None,
@@ -151,24 +184,17 @@ def evaluate_run_tasks(
     if output is not None and Path(output).exists():
         raise ConfigError(f"{str(output)!r} exists; not overwriting it (remove it or choose -o)")
     stream = sys.stdout if stream is None else stream
-    run_dir = Path(run_dir)
     tasks = load_tasks(task_paths)  # task mistakes before anything slow
-    cfg = load_run_config(run_dir)
-    with exclusive(run_dir):
-        cfg, datasets = with_data(cfg)
-        graphdef, restored = newest_state(cfg, run_dir, stream)
-    model = eval_graphdef(cfg, graphdef, forward, restored.step)
-    logprob_fn = logprob_function(model, restored.state.params, seed=cfg.train.seed)
-    seq_len = cfg.model.max_seq_len
+    scorer = run_scorer(run_dir, forward=forward, stream=stream)
     progress = _Progress(sys.stderr)
     try:
-        results = score_tasks(tasks, datasets.tokenizer, logprob_fn, seq_len=seq_len,
+        results = score_tasks(tasks, scorer.tokenizer, scorer.logprob_fn, seq_len=scorer.seq_len,
                               batch_size=batch_size, progress=progress)  # fmt: skip
     finally:
         progress.close()
-    document = results_document(results, run_dir=str(run_dir), step=restored.step,
-                                forward=forward, seq_len=seq_len, batch_size=batch_size)  # fmt: skip
-    print(f"step {restored.step}, forward {forward}", file=stream)
+    document = results_document(results, run_dir=str(run_dir), step=scorer.step, forward=forward,
+                                seq_len=scorer.seq_len, batch_size=batch_size)  # fmt: skip
+    print(f"step {scorer.step}, forward {forward}", file=stream)
     print(format_table(results), file=stream, flush=True)
     if output is not None:
         Path(output).write_text(json.dumps(document, indent=2) + "\n")
