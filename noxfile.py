@@ -190,7 +190,7 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests: every package installed together, plus real clients of the exports."""
     _install_cpu_torch(session)
     session.install(
-        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test]", f"{EXPORT}[test,verify]"
+        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test,eval]", f"{EXPORT}[test,verify]"
     )
     _pytest(session, "integration_tests")
 

@@ -26,7 +26,7 @@ FLOORS = (
     ("checkpoint", "observe"),
     ("config",),
     ("training",),
-    ("prepare_cli",),
+    ("prepare_cli", "lm_eval_model"),
     ("cli", "__init__"),
     ("__main__",),
 )

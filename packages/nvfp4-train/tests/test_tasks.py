@@ -132,6 +132,10 @@ BAD_FILES = {
         r"tie\.json: example 0: 2 choices share the top target_score",
     ),
     "task.csv": ("a,b\n", r"task\.csv: unknown kind of task file '\.csv'"),
+    "nodata.yaml": (
+        "dataset_path: json\ndata_files: gone.jsonl\n",
+        r"nodata\.yaml: data file 'gone",
+    ),
 }
 
 
@@ -220,7 +224,7 @@ def test_rolling_by_hand(tmp_path):
 def test_unscorable_examples_are_named(tmp_path):
     rows = [{"context": "t1", "choices": ["t2", "t3 t3 t3"], "gold": 0}]
     task = load_task(_jsonl(tmp_path / "long.jsonl", rows))
-    with pytest.raises(TaskError, match=r"long\.jsonl:1: choice 't3 t3 t3' is 3 tokens"):
+    with pytest.raises(TaskError, match=r"long\.jsonl:1: ' t3 t3 t3' is 3 tokens"):
         score_task(task, id_tokenizer(8), _target_logprob, seq_len=2, batch_size=2)
     rows = [{"context": "", "choices": ["t2", "t3"], "gold": 0}]
     task = load_task(_jsonl(tmp_path / "noctx.jsonl", rows))
@@ -333,3 +337,35 @@ def test_cli_scores_like_the_loop_and_the_training_loss(scored_run, tmp_path, ca
                       seed=cfg.train.seed), seq_len=32, batch_size=4)  # fmt: skip
     assert bf16.loglikelihoods != result.loglikelihoods  # the block's forward is quantized
     np.testing.assert_allclose(bf16.loglikelihoods[0], result.loglikelihoods[0], rtol=0.2)
+
+
+def test_request_scorer_and_lm_eval_adapter(scored_run):
+    """lm-eval style requests give the task files' numbers (`RequestScorer`); with lm-eval
+    installed, its `nvfp4` model (`lm_eval_model`) gives the same through lm-eval's API."""
+    from nvfp4_train.training.downstream import RequestScorer, run_scorer
+
+    run_dir, mc, text = scored_run
+    scorer = run_scorer(run_dir, stream=io.StringIO())
+    task, document = load_task(mc), load_task(text)
+    pairs = [(e.context, " " + c) for e in task.examples for c in e.choices]
+    expected = score_task(task, scorer.tokenizer, scorer.logprob_fn, seq_len=32, batch_size=4)
+    got = RequestScorer(scorer, batch_size=4).loglikelihood(pairs)
+    assert [ll for ll, _ in got] == [ll for lls in expected.loglikelihoods for ll in lls]
+    rolling = RequestScorer(scorer, batch_size=4).loglikelihood_rolling(document.documents)
+    doc_result = score_task(document, scorer.tokenizer, scorer.logprob_fn, seq_len=32, batch_size=4)
+    assert rolling == list(doc_result.loglikelihoods)
+
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (the eval extra)")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    from nvfp4_train.lm_eval_model import register
+
+    model = get_model("nvfp4") if register() else None
+    lm = model.create_from_arg_string(f"run={run_dir},batch_size=4")
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    assert lm.loglikelihood(requests) == got
+    docs = [Instance("loglikelihood_rolling", {}, (d,), 0) for d in document.documents]
+    assert lm.loglikelihood_rolling(docs) == rolling
+    with pytest.raises(NotImplementedError, match="generate_until"):
+        lm.generate_until([])

@@ -27,6 +27,7 @@ from nvfp4_train.tasks.task_error import TaskError
 from nvfp4_train.tasks.task_files import MULTIPLE_CHOICE, Task
 from nvfp4_train.tasks.windows import (
     LogProbFn,
+    Window,
     choice_window,
     encode_pair,
     rolling_windows,
@@ -131,7 +132,10 @@ def score_task(
         windows, gold, sizes = [], [], []
         for example in task.examples:
             for choice in example.choices:
-                windows.append(_choice(tokenizer, task, example, choice, seq_len))
+                continuation = task.delimiter + choice
+                windows.append(
+                    request_window(tokenizer, example.context, continuation, seq_len, example.where)
+                )
             gold.append(example.gold)
             sizes.append([max(1, len(c.encode("utf-8"))) for c in example.choices])
         sums, _ = score_windows(windows, logprob_fn, batch_size=batch_size, seq_len=seq_len,
@@ -143,9 +147,7 @@ def score_task(
         metrics = multiple_choice_metrics(lls, gold, sizes)
         truncated = sum(w.truncated for w in windows)
     else:
-        prefix = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-        per_doc = [rolling_windows(prefix + list(tokenizer.encode(d)), seq_len)
-                   for d in task.documents]  # fmt: skip
+        per_doc = [document_windows(tokenizer, d, seq_len) for d in task.documents]
         windows = [w for ws in per_doc for w in ws]
         sums, _ = score_windows(windows, logprob_fn, batch_size=batch_size, seq_len=seq_len,
                                 on_batch=on_batch)  # fmt: skip
@@ -162,17 +164,31 @@ def score_task(
     return TaskResult(task.name, task.path, task.kind, metrics, tuple(lls))
 
 
-def _choice(tokenizer: TaskTokenizer, task: Task, example, choice: str, seq_len: int):
-    if not choice:
-        raise TaskError(f"{example.where}: an empty choice cannot be scored")
-    context, continuation = encode_pair(tokenizer.encode, example.context, task.delimiter + choice)
-    if not context:
+def request_window(
+    tokenizer: TaskTokenizer, context: str, continuation: str, seq_len: int, where: str
+) -> Window:
+    """The window scoring `continuation` after `context` (an empty context: the eos token).
+
+    Raises:
+        TaskError: naming `where`: an empty continuation, an empty context without an eos
+            token, a continuation longer than `seq_len` tokens.
+    """
+    if not continuation.strip():
+        raise TaskError(f"{where}: an empty continuation {continuation!r} cannot be scored")
+    context_ids, continuation_ids = encode_pair(tokenizer.encode, context, continuation)
+    if not context_ids:
         if tokenizer.eos_id is None:
-            raise TaskError(f"{example.where}: empty context and the tokenizer has no eos token")
-        context = [tokenizer.eos_id]
-    if not continuation:
-        raise TaskError(f"{example.where}: choice {choice!r} encodes to no token")
-    if len(continuation) > seq_len:
-        raise TaskError(f"{example.where}: choice {choice!r} is {len(continuation)} tokens, "
+            raise TaskError(f"{where}: empty context and the tokenizer has no eos token")
+        context_ids = [tokenizer.eos_id]
+    if not continuation_ids:
+        raise TaskError(f"{where}: {continuation!r} encodes to no token")
+    if len(continuation_ids) > seq_len:
+        raise TaskError(f"{where}: {continuation!r} is {len(continuation_ids)} tokens, "
                         f"longer than the {seq_len} a row holds")  # fmt: skip
-    return choice_window(context, continuation, seq_len)
+    return choice_window(context_ids, continuation_ids, seq_len)
+
+
+def document_windows(tokenizer: TaskTokenizer, text: str, seq_len: int) -> list[Window]:
+    """The rolling windows of one document, after the eos token when the tokenizer has one."""
+    prefix = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    return rolling_windows(prefix + list(tokenizer.encode(text)), seq_len)

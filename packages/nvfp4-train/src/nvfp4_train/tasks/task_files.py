@@ -220,13 +220,26 @@ def _data_file(path: Path, spec: dict) -> Path:
         files = files[0]
     if not isinstance(files, str):
         raise TaskError(f"{path}: needs one local file in dataset_kwargs.data_files, got {files!r}")
-    return path.parent / files
+    return _local_file(path, Path(files))
+
+
+def _local_file(yaml_path: Path, file: Path) -> Path:
+    """`file` relative to the YAML's directory, else to the current directory (where lm-eval
+    resolves it), else to a directory above the YAML (a repository root lm-eval runs from)."""
+    if file.is_absolute():
+        return file
+    here = yaml_path.resolve().parent
+    for base in (here, Path.cwd(), *here.parents):
+        if (base / file).is_file():
+            return base / file
+    raise TaskError(
+        f"{yaml_path}: data file {str(file)!r} not found next to the YAML, in the current "
+        "directory or a directory above the YAML"
+    )
 
 
 def _yaml_docs(path: Path, spec: dict) -> list[tuple[str, dict]]:
     data = _data_file(path, spec)
-    if not data.is_file():
-        raise TaskError(f"{path}: data file {str(data)!r} does not exist")
     if data.suffix.lower() == ".jsonl":
         return [(f"{path} ({data}:{n})", row) for n, row in _jsonl_rows(data)]
     try:

@@ -20,6 +20,8 @@ import numpy as np
 
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.tasks import Task, TaskError, TaskResult, load_task, score_task
+from nvfp4_train.tasks.scoring import document_windows, request_window
+from nvfp4_train.tasks.windows import score_windows
 from nvfp4_train.training.evaluation import EVAL_FORWARDS, eval_graphdef, newest_state
 from nvfp4_train.training.session import exclusive, load_run_config, with_data
 from nvfp4_train.training.step import make_score_step
@@ -160,6 +162,45 @@ def run_scorer(run_dir: str | Path, *, forward: str = "run", stream: TextIO | No
     model = eval_graphdef(cfg, graphdef, forward, restored.step)
     logprob_fn = logprob_function(model, restored.state.params, seed=cfg.train.seed)
     return RunScorer(datasets.tokenizer, logprob_fn, cfg.model.max_seq_len, restored.step, cfg)
+
+
+class RequestScorer:
+    """Scores lm-evaluation-harness style requests with a `RunScorer`, over the same windows,
+    batches and sums as the task files (`nvfp4_train.tasks`), in request order.
+
+    Args:
+        scorer: a run's `RunScorer` (`run_scorer`).
+        batch_size: rows per scoring batch.
+    """
+
+    def __init__(self, scorer: RunScorer, batch_size: int = 8) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.scorer, self.batch_size = scorer, batch_size
+
+    def _score(self, windows: list) -> tuple[np.ndarray, np.ndarray]:
+        return score_windows(windows, self.scorer.logprob_fn, batch_size=self.batch_size,
+                             seq_len=self.scorer.seq_len)  # fmt: skip
+
+    def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), whether every continuation token is the argmax) of
+        each (context, continuation); contexts cut from the left to fit a row."""
+        tok, seq_len = self.scorer.tokenizer, self.scorer.seq_len
+        windows = [request_window(tok, context, continuation, seq_len, f"request {i}")
+                   for i, (context, continuation) in enumerate(requests)]  # fmt: skip
+        sums, greedy = self._score(windows)
+        return [(float(s), bool(g)) for s, g in zip(sums, greedy, strict=True)]
+
+    def loglikelihood_rolling(self, texts: Sequence[str]) -> list[float]:
+        """log p(text) of each text, every token scored once (after the eos token when the
+        tokenizer has one), in rolling windows of `seq_len`."""
+        per_text = [document_windows(self.scorer.tokenizer, t, self.scorer.seq_len) for t in texts]
+        sums, _ = self._score([w for ws in per_text for w in ws])
+        out, start = [], 0
+        for ws in per_text:
+            out.append(float(np.sum(sums[start : start + len(ws)])))
+            start += len(ws)
+        return out
 
 
 def evaluate_run_tasks(
