@@ -369,3 +369,14 @@ def test_request_scorer_and_lm_eval_adapter(scored_run):
     assert lm.loglikelihood_rolling(docs) == rolling
     with pytest.raises(NotImplementedError, match="generate_until"):
         lm.generate_until([])
+
+
+def test_bad_eval_task_stops_the_run_before_anything_is_written(tmp_path, tiny_config):
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.run import run
+
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"context": "t1", "choices": ["t2", "t3"], "gold": 5}])
+    cfg = config_from_dict(tiny_config(tmp_path / "run", eval={"tasks": [str(bad)]}))
+    with pytest.raises(TaskError, match=r"bad\.jsonl:1: gold index 5 out of range"):
+        run(cfg, stream=io.StringIO())
+    assert not (tmp_path / "run").exists()

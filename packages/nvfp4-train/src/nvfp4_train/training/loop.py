@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,8 +29,9 @@ from nvfp4_train.mesh.sharding import global_batch
 from nvfp4_train.model.attention import document_bound, too_many_documents
 from nvfp4_train.observe.metrics import RunOutputs, format_row
 from nvfp4_train.precision.schedule import phase_index
+from nvfp4_train.tasks import Task
 from nvfp4_train.training.cadence import Due, due
-from nvfp4_train.training.downstream import TaskScorer, load_tasks
+from nvfp4_train.training.downstream import TaskScorer
 from nvfp4_train.training.phases import CompiledPhases, Phase
 from nvfp4_train.training.saving import CheckpointWriter
 from nvfp4_train.training.step import step_key
@@ -72,7 +74,7 @@ class TrainingLoop:
     """One training session from `start` to `train.steps`."""
 
     def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say, mesh,
-                 state) -> None:  # fmt: skip
+                 state, *, tasks: Sequence[Task] = ()) -> None:  # fmt: skip
         self.cfg, self.ckpts, self.say, self.mesh = cfg, ckpts, say, mesh
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         self.phases = CompiledPhases(cfg, graphdef, mesh, state_sh, say)
@@ -84,8 +86,8 @@ class TrainingLoop:
                 self._check_documents(batch, f"validation batch {i}")
         self.val_batches = [global_batch(b, self.phases.batch_sh) for b in host_batches]
         self.tasks = None
-        if cfg.eval.tasks:  # read now: a bad task file stops the run before its first step
-            self.tasks = TaskScorer(load_tasks(cfg.eval.tasks), datasets.tokenizer,
+        if tasks:  # `eval.tasks`, read by `run` before anything was written
+            self.tasks = TaskScorer(tasks, datasets.tokenizer,
                                     seq_len=cfg.model.max_seq_len, batch_size=cfg.eval.batch_size,
                                     seed=cfg.train.seed)  # fmt: skip
         self.writer = CheckpointWriter(cfg, ckpts, self.phases, reference_tokens(cfg, datasets))
