@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --tasks: write the results as JSON here (an existing file is not overwritten)",
     )  # fmt: skip
     evaluate.add_argument(
-        "--batch-size", type=int, default=8, help="with --tasks: rows per scoring batch"
+        "--batch-size", type=int, default=None, help="with --tasks: rows per scoring batch (8)"
     )
 
     plot = sub.add_parser(
@@ -175,14 +175,17 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bf16 contradicts --forward {args.forward}")
     forward = "bf16" if args.bf16 else args.forward
     if args.tasks is None:
-        if args.output is not None:
-            raise ConfigError(
-                "-o/--output needs --tasks (the validation loss goes to metrics.jsonl)"
-            )
+        if args.output is not None or args.batch_size is not None:
+            flag = "-o/--output" if args.output is not None else "--batch-size"
+            raise ConfigError(f"{flag} needs --tasks (the validation loss goes to metrics.jsonl)")
         evaluate_run(args.run_dir, forward=forward)
         return 0
     evaluate_run_tasks(
-        args.run_dir, args.tasks, forward=forward, batch_size=args.batch_size, output=args.output
+        args.run_dir,
+        args.tasks,
+        forward=forward,
+        batch_size=8 if args.batch_size is None else args.batch_size,
+        output=args.output,
     )
     return 0
 
