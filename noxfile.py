@@ -192,6 +192,7 @@ def integration(session: nox.Session) -> None:
     session.install(
         f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test,eval]", f"{EXPORT}[test,verify]"
     )
+    session.install("accelerate>=0.26")  # lm-eval's own `hf` model (test_lm_eval_agreement.py)
     _pytest(session, "integration_tests")
 
 
