@@ -190,8 +190,9 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests: every package installed together, plus real clients of the exports."""
     _install_cpu_torch(session)
     session.install(
-        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test]", f"{EXPORT}[test,verify]"
+        f"{FORMAT}[test,jax]", f"{OPS}[test]", f"{TRAIN}[test,eval]", f"{EXPORT}[test,verify]"
     )
+    session.install("accelerate>=0.26")  # lm-eval's own `hf` model (test_lm_eval_agreement.py)
     _pytest(session, "integration_tests")
 
 

@@ -6,6 +6,7 @@ LONGEST_FIRST = (
     "test_docs_commands.py", "test_docs_quickstart.py", "test_export_roundtrip.py",
     "test_continue_from_hf.py", "test_moe_roundtrip.py", "test_hf_import.py",
     "test_evidence_report.py", "test_evidence_gradients.py", "test_hf_moe_import.py",
+    "test_lm_eval_agreement.py",
 )  # fmt: skip
 """The test files that take longest (minutes of training and exporting), longest first."""
 

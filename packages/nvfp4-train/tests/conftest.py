@@ -40,7 +40,7 @@ LONGEST_FIRST = (
     "test_schedule.py", "test_moe_telemetry.py", "test_safety.py", "test_moe.py",
     "test_distributed.py", "test_resume.py",
     "test_precision_schedule.py", "test_attention.py", "test_sharding.py",
-    "test_run_telemetry.py", "test_cli.py", "test_model.py",
+    "test_run_telemetry.py", "test_cli.py", "test_tasks.py", "test_model.py",
 )  # fmt: skip
 """The test files that take longest (tens of seconds to minutes of compiling), longest first;
 the others follow in their own order (see `pytest_collection_modifyitems`)."""

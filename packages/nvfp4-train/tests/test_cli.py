@@ -119,7 +119,7 @@ def test_user_error_in_subprocess_has_no_traceback(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "error: unknown config key 'trian' (did you mean 'train'?); allowed keys: "
         "output_dir, model, precision, optimizer, data, train, checkpoint, logging, mesh, "
-        "distributed"
+        "distributed, eval"
     ]
 
 

@@ -21,12 +21,12 @@ PACKAGE = Path(nvfp4_train.__file__).parent
 
 FLOORS = (
     ("errors", "tree_paths", "mesh_axes"),
-    ("data", "model"),
+    ("data", "model", "tasks"),
     ("precision", "mesh", "optim"),
     ("checkpoint", "observe"),
     ("config",),
     ("training",),
-    ("prepare_cli",),
+    ("prepare_cli", "lm_eval_model"),
     ("cli", "__init__"),
     ("__main__",),
 )

@@ -7,6 +7,9 @@
     nvfp4-train prepare-data INPUT ... --tokenizer T -o DIR  tokenize parquet/JSONL/text
                                                          into token shards (resumable)
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
+    nvfp4-train eval RUN_DIR --tasks FILE ... [--bf16]   downstream tasks (multiple choice,
+        [-o results.json] [--batch-size N]               rolling log-likelihood) with the
+                                                         newest checkpoint (docs/eval.md)
     nvfp4-train plot RUN_DIR [RUN_DIR ...] [-o out.png]  loss curves of runs on one PNG
                                                          (default: RUN_DIR/loss.png)
     nvfp4-train plot --quant RUN_DIR [-o quant.png] [--stat rel_error]
@@ -82,6 +85,19 @@ def _parser() -> argparse.ArgumentParser:
         help="run: the forward the run trained with at that step (default); quantized: the "
         "recipes' quantized forward; bf16: the quantized linears' forward GEMMs in BF16",
     )  # fmt: skip
+    evaluate.add_argument("--bf16", action="store_true", help="the same as --forward bf16")
+    evaluate.add_argument(
+        "--tasks", nargs="+", type=Path, default=None, metavar="FILE",
+        help="score these task files (JSONL, lm-evaluation-harness YAML, BIG-bench task.json, "
+        "text) instead of the validation loss (docs/eval.md)",
+    )  # fmt: skip
+    evaluate.add_argument(
+        "-o", "--output", type=Path, default=None,
+        help="with --tasks: write the results as JSON here (an existing file is not overwritten)",
+    )  # fmt: skip
+    evaluate.add_argument(
+        "--batch-size", type=int, default=None, help="with --tasks: rows per scoring batch (8)"
+    )
 
     plot = sub.add_parser(
         "plot",
@@ -152,9 +168,25 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from nvfp4_train.training.downstream import evaluate_run_tasks
     from nvfp4_train.training.evaluation import evaluate_run
 
-    evaluate_run(args.run_dir, forward=args.forward)
+    if args.bf16 and args.forward not in ("run", "bf16"):
+        raise ConfigError(f"--bf16 contradicts --forward {args.forward}")
+    forward = "bf16" if args.bf16 else args.forward
+    if args.tasks is None:
+        if args.output is not None or args.batch_size is not None:
+            flag = "-o/--output" if args.output is not None else "--batch-size"
+            raise ConfigError(f"{flag} needs --tasks (the validation loss goes to metrics.jsonl)")
+        evaluate_run(args.run_dir, forward=forward)
+        return 0
+    evaluate_run_tasks(
+        args.run_dir,
+        args.tasks,
+        forward=forward,
+        batch_size=8 if args.batch_size is None else args.batch_size,
+        output=args.output,
+    )
     return 0
 
 

@@ -1,7 +1,7 @@
 """The run configuration: a typed, frozen dataclass tree and how it is read.
 
 `Config` gathers one section per concern (`model`, `precision`, `optimizer`, `data`, `train`,
-`checkpoint`, `logging`, `mesh`, `distributed`). `nvfp4_train.config.loader` builds the tree
+`checkpoint`, `logging`, `mesh`, `distributed`, `eval`). `nvfp4_train.config.loader` builds the tree
 generically from the dataclass type hints, so a section only has to declare typed, defaulted fields
 and validate values in `__post_init__`. Keys that moved between versions (`MOVED_KEYS`) are refused
 in a user's config with their new place, and moved in a run directory's saved one (`upgraded`).
@@ -33,6 +33,7 @@ from nvfp4_train.model.hf_config import HFConfigError, fill_data_section, fill_m
 from nvfp4_train.observe.health import QuantHealthConfig
 from nvfp4_train.optim.optimizer import OptimizerConfig
 from nvfp4_train.precision.policy import PrecisionConfig
+from nvfp4_train.tasks.config import EvalConfig
 
 
 def _check_min(section: str, name: str, value: int, minimum: int) -> None:
@@ -159,6 +160,7 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if not self.output_dir:

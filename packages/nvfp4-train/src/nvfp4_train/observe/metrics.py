@@ -117,9 +117,15 @@ def format_row(row: Mapping[str, Any]) -> str:
     """A one-line, human-readable view of a metrics row (for plain logs)."""
     parts = [f"step {row['step']}"]
     parts += [f"{label} {fmt.format(row[key])}" for key, label, fmt in _ROW_FIELDS if key in row]
+    parts += [f"{key[5:]} {row[key]:.4g}" for key in row
+              if key.startswith("task/") and key.endswith(TASK_ROW_METRICS)]  # fmt: skip
     if "quant" in row:
         parts.append(summarize_quant(row["quant"]))
     return "  ".join(parts)
+
+
+TASK_ROW_METRICS = ("/acc", "/acc_norm", "/bits_per_byte")
+"""The downstream-task fields (`task/<name>/<metric>`) `format_row` shows."""
 
 
 def _json_safe(value: Any) -> Any:
@@ -297,9 +303,7 @@ class TensorBoard:
         step = int(row["step"])
         for key, value in row.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(
-                    f"train/{key}" if key != "val_loss" else "val/loss", value, step
-                )
+                self._writer.add_scalar(_tensorboard_tag(key), value, step)
         for block, stats in row.get("moe", {}).items():
             for stat, value in stats.items():
                 values = value if isinstance(value, list) else [value]
@@ -339,6 +343,13 @@ class PlainProgress:
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+def _tensorboard_tag(key: str) -> str:
+    """A row field's TensorBoard tag: `val/loss`, `task/<name>/<metric>` as it is, `train/<key>`."""
+    if key == "val_loss":
+        return "val/loss"
+    return key if key.startswith("task/") else f"train/{key}"
 
 
 class RichProgress:

@@ -63,7 +63,7 @@ def evaluate_run(
         return _evaluate(cfg, run_dir, forward, stream)
 
 
-def _eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
+def eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
     """The model `evaluate_run` validates a checkpoint of `step` with (see its `forward`);
     `graphdef` is the base model's."""
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
@@ -77,6 +77,27 @@ def _eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
     if recipes == layer_recipes(cfg.model, cfg.precision):
         return graphdef
     return model_graphdef(model_spec(cfg), recipes)
+
+
+def newest_state(cfg: Config, run_dir: Path, stream: TextIO) -> tuple[Any, Any]:
+    """(the base model's graphdef, the restored newest readable checkpoint) of a run
+    directory (`cfg`: its config with `model.vocab_size` filled; inside its lock).
+
+    Raises:
+        ConfigError: no checkpoint, or none readable.
+    """
+    if not (run_dir / CHECKPOINT_DIR).is_dir():
+        raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
+    with run_checkpoints(cfg, run_dir) as ckpts:
+        if ckpts.latest_step() is None:
+            raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
+        graphdef, abstract = abstract_state(cfg)
+        restored = restore_newest_readable(
+            cfg, run_dir, ckpts, abstract, sayer(stream), set_aside=False
+        )
+    if restored is None:
+        raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
+    return graphdef, restored
 
 
 def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[str, Any]:
@@ -93,19 +114,10 @@ def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[
         problem = too_many_documents(batch["segment_ids"], bound, f"validation batch {i}")
         if problem:  # te would give those tokens output 0: a wrong loss, silently
             raise RunError(problem)
-    with run_checkpoints(cfg, run_dir) as ckpts:
-        latest = ckpts.latest_step()
-        if latest is None:
-            raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
-        graphdef, abstract = abstract_state(cfg)
-        restored = restore_newest_readable(
-            cfg, run_dir, ckpts, abstract, sayer(stream), set_aside=False
-        )
-    if restored is None:
-        raise ConfigError(f"{str(run_dir)!r} has no readable checkpoint to evaluate")
+    graphdef, restored = newest_state(cfg, run_dir, stream)
     latest = restored.step
-    eval_graphdef = _eval_graphdef(cfg, graphdef, forward, latest)
-    eval_step = jax.jit(make_eval_step(eval_graphdef, seed=cfg.train.seed))
+    eval_model = eval_graphdef(cfg, graphdef, forward, latest)
+    eval_step = jax.jit(make_eval_step(eval_model, seed=cfg.train.seed))
     row = {
         "step": latest,
         "val_loss": evaluate(eval_step, restored.state.params, batches),

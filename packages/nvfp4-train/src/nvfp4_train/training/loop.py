@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,7 +29,9 @@ from nvfp4_train.mesh.sharding import global_batch
 from nvfp4_train.model.attention import document_bound, too_many_documents
 from nvfp4_train.observe.metrics import RunOutputs, format_row
 from nvfp4_train.precision.schedule import phase_index
+from nvfp4_train.tasks import Task
 from nvfp4_train.training.cadence import Due, due
+from nvfp4_train.training.downstream import TaskScorer
 from nvfp4_train.training.phases import CompiledPhases, Phase
 from nvfp4_train.training.saving import CheckpointWriter
 from nvfp4_train.training.step import step_key
@@ -71,7 +74,7 @@ class TrainingLoop:
     """One training session from `start` to `train.steps`."""
 
     def __init__(self, cfg: Config, graphdef: Any, datasets: Any, ckpts: Checkpoints, say, mesh,
-                 state) -> None:  # fmt: skip
+                 state, *, tasks: Sequence[Task] = ()) -> None:  # fmt: skip
         self.cfg, self.ckpts, self.say, self.mesh = cfg, ckpts, say, mesh
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         self.phases = CompiledPhases(cfg, graphdef, mesh, state_sh, say)
@@ -82,6 +85,11 @@ class TrainingLoop:
             for i, batch in enumerate(host_batches):
                 self._check_documents(batch, f"validation batch {i}")
         self.val_batches = [global_batch(b, self.phases.batch_sh) for b in host_batches]
+        self.tasks = None
+        if tasks:  # `eval.tasks`, read by `run` before anything was written
+            self.tasks = TaskScorer(tasks, datasets.tokenizer,
+                                    seq_len=cfg.model.max_seq_len, batch_size=cfg.eval.batch_size,
+                                    seed=cfg.train.seed)  # fmt: skip
         self.writer = CheckpointWriter(cfg, ckpts, self.phases, reference_tokens(cfg, datasets))
         self.watch = Watch(cfg, ckpts)
         quantized = any(r.quantized for p in self.schedule for r in p.recipes.values())
@@ -100,10 +108,14 @@ class TrainingLoop:
     def _write_row(self, outputs: RunOutputs, phase: Phase, step: int, state: Any,
                    evaluate_now: bool) -> dict[str, Any]:  # fmt: skip
         """Writes (and returns) the metrics row of the window ending at `step`, with `val_loss`
-        when `evaluate_now` (not counted as step time); stops a diverged run."""
+        and the `eval.tasks` metrics (`task/<name>/<metric>`) when `evaluate_now` (not counted as
+        step time); stops a diverged run."""
         row, host = self.window.row(step)
-        if evaluate_now:
+        if evaluate_now and self.val_batches:
             row["val_loss"] = evaluate(phase.eval, state.params, self.val_batches)
+        if evaluate_now and self.tasks is not None:  # the forward of the step's phase
+            recipes = self.schedule[phase_index(self.schedule, step)].recipes
+            row |= self.tasks.row(self.phases.graphdef(recipes), state.params)
         outputs.write(row)
         self.watch.check_divergence(host, step)
         return row
@@ -129,7 +141,8 @@ class TrainingLoop:
 
     def _due(self, step: int) -> Due:
         cfg = self.cfg
-        return due(step, cfg.train, cfg.checkpoint, cfg.logging, validation=bool(self.val_batches))
+        validation = bool(self.val_batches) or self.tasks is not None
+        return due(step, cfg.train, cfg.checkpoint, cfg.logging, validation=validation)
 
     def train(
         self, state, iterator, run_dir: Path, start: int, stream: TextIO, stop: StopRequest

@@ -30,6 +30,7 @@ from nvfp4_train.mesh.sharding import (
     check_expert_split,
     make_mesh,
 )
+from nvfp4_train.training.downstream import load_tasks
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
 from nvfp4_train.training.session import exclusive, run_checkpoints, sayer, with_data
@@ -60,16 +61,20 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
 
     Raises:
         ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
+        TaskError: a file of `eval.tasks` that cannot be read (before anything is written).
     """
     stream = sys.stdout if stream is None else stream
-    cfg, datasets = with_data(cfg)  # data and mesh errors before anything is written
+    cfg, datasets = with_data(cfg)  # data, task and mesh errors before anything is written
+    tasks = load_tasks(cfg.eval.tasks)
     mesh = make_mesh(cfg.mesh, jax.devices())
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
-        return _run(cfg, datasets, mesh, run_dir, stream)
+        return _run(cfg, datasets, tasks, mesh, run_dir, stream)
 
 
-def _run(cfg: Config, datasets: Any, mesh: Any, run_dir: Path, stream: TextIO) -> RunSummary:
+def _run(
+    cfg: Config, datasets: Any, tasks: list, mesh: Any, run_dir: Path, stream: TextIO
+) -> RunSummary:
     """`run` inside the run directory's lock."""
     say = sayer(stream)
     iterator = datasets.train_iterator()
@@ -96,7 +101,7 @@ def _run(cfg: Config, datasets: Any, mesh: Any, run_dir: Path, stream: TextIO) -
         if start >= cfg.train.steps:
             say(f"already trained to step {start} (train.steps={cfg.train.steps}); nothing to do")
             return RunSummary(run_dir, start, start, None, None)
-        loop = TrainingLoop(cfg, graphdef, datasets, ckpts, say, mesh, state)
+        loop = TrainingLoop(cfg, graphdef, datasets, ckpts, say, mesh, state, tasks=tasks)
         with stop_requests() as stop:
             return loop.train(state, iterator, run_dir, start, stream, stop)
 

@@ -220,11 +220,11 @@ def batch_documents(batch: Batch, constrain=None) -> tuple[jax.Array, jax.Array]
     return constrain("tokens", batch["segment_ids"]), constrain("tokens", batch["positions"])
 
 
-def _loss_sum(
+def _token_losses(
     graphdef, params, batch: Batch, key, constrain=_no_constraint
-) -> tuple[jax.Array, int, ForwardStats]:
-    """float32 sum of token cross-entropies, the number of tokens, and the forward's
-    statistics (the linears' input amax, the MoE blocks' routing)."""
+) -> tuple[jax.Array, jax.Array, ForwardStats]:
+    """float32 [B, L] token cross-entropies (the training loss per target), the logits and the
+    forward's statistics (the linears' input amax, the MoE blocks' routing)."""
     inputs_BxL = constrain("tokens", batch["inputs"])
     documents = batch_documents(batch, constrain)
     logits_BxLxV, stats = forward_with_stats(
@@ -232,6 +232,15 @@ def _loss_sum(
     )
     logits_BxLxV = constrain("logits", logits_BxLxV)
     losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
+    return losses_BxL, logits_BxLxV, stats
+
+
+def _loss_sum(
+    graphdef, params, batch: Batch, key, constrain=_no_constraint
+) -> tuple[jax.Array, int, ForwardStats]:
+    """float32 sum of token cross-entropies, the number of tokens, and the forward's
+    statistics (the linears' input amax, the MoE blocks' routing)."""
+    losses_BxL, _, stats = _token_losses(graphdef, params, batch, key, constrain)
     return losses_BxL.sum(), losses_BxL.size, stats
 
 
@@ -377,6 +386,26 @@ def make_eval_step(
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step
+
+
+def make_score_step(
+    graphdef: nnx.GraphDef, *, seed: int, mesh: Mesh | None = None
+) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Returns `score_step(params, inputs_BxL, targets_BxL) -> (logp_BxL, greedy_BxL)`: each
+    target's log-probability (float32, minus the training loss's token cross-entropy: the same
+    forward, key and loss as `make_eval_step`) and whether it is the argmax of its logits."""
+    constrain = activation_constraint(mesh)
+
+    def score_step(params, inputs_BxL: jax.Array, targets_BxL: jax.Array):
+        batch = {"inputs": inputs_BxL, "targets": targets_BxL}
+        with trace_context(mesh):
+            losses_BxL, logits_BxLxV, _ = _token_losses(
+                graphdef, params, batch, jax.random.key(seed), constrain
+            )
+        greedy_BxL = jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
+        return -losses_BxL, greedy_BxL
+
+    return score_step
 
 
 def count_params(params) -> int:
