@@ -12,7 +12,7 @@ boundaries on multiples of 16) are the whole weight's tiles, so the gathered pie
 `quantize_weight` of the whole weight and the product is `dot_general`'s bit for bit.
 
 Example:
-  >>> recipe = get_recipe("nvfp4")
+  >>> recipe = as_recipe("nvfp4")
   >>> x, w = jnp.ones((4, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
   >>> qw = quantize_weight(w, recipe)
   >>> y = prequantized_dot_general(x, w, qw, recipe=recipe, key=jax.random.key(0))
