@@ -54,6 +54,8 @@ def test_gather_modes_are_checked():
     assert PrecisionConfig(gather="quantized").gather == "quantized"
     with pytest.raises(ValueError, match=r"precision.gather must be one of .*'fp4'"):
         PrecisionConfig(gather="fp4")
+    with pytest.raises(ValueError, match=r"gather=quantized .* got precision.backend='te'"):
+        PrecisionConfig(gather="quantized", backend="te")
 
 
 def test_a_kernel_slice_that_is_not_whole_tiles_is_refused():

@@ -149,6 +149,12 @@ class PrecisionConfig:
     def __post_init__(self):
         if self.gather not in GATHER_MODES:
             raise ValueError(f"precision.gather must be one of {GATHER_MODES}, got {self.gather!r}")
+        if self.gather == "quantized" and backend_spec(self.backend) == "te":
+            raise ValueError(
+                "precision.gather=quantized runs the quantized linears on a quantized weight, "
+                "which the 'emulated' and 'xla' backends take and 'te' does not (it quantizes "
+                "its own); got precision.backend='te'"
+            )
         _check_recipe_name(self.recipe, "precision.recipe")
         backend_spec(self.backend)
         if self.verify_backend not in VERIFY_MODES:
