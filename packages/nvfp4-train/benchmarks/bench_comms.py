@@ -265,7 +265,35 @@ def markdown(payload: dict) -> str:
         "packages/nvfp4-train/benchmarks/bench_comms.py --md docs/benchmarks/comms.md --out "
         "docs/benchmarks/comms.json`.", "",
         table(payload["results"]), "",
+        *NOTES,
     ])  # fmt: skip
+
+
+NOTES = (
+    "Reading the table. GEMM weight all-gathers: all-gathers whose result is a block linear's "
+    "kernel (either way round, or its dequantized values) gathered for a GEMM or its cast, or "
+    "the codes [1, N, K/2] and scales [1, N, K/16] gathered by `model.weight_gather`'s "
+    "`shard_map`; gradients gathered for the global norm and the optimizer's selects count as "
+    "other. XLA:CPU widens BF16 collectives to float32 and E4M3 ones to float16: the "
+    '"GPU widths" column counts the explicit gathers at their own width (BF16 2 bytes, E4M3 '
+    '1 byte) and XLA\'s own gathers as compiled. "vs master": that column against the same '
+    "recipe's `master` row. The BF16-policy linears (the first and last block under the "
+    "default rule) keep XLA's placement in every mode (docs/distributed.md says why), so only "
+    'the quantized linears\' gathers change; "every block" quantizes all four blocks.',
+    "",
+    "What XLA may already do on GPUs: its GPU pipeline runs `CollectiveQuantizer` after SPMD "
+    "partitioning, which exchanges an all-gather with a following conversion to a narrower "
+    "type (unary ops in between are shifted), so `master`'s float32 gather followed by the BF16 "
+    "cast may become a BF16 gather there (2 bytes per element, as `compute`). It needs the "
+    "convert to follow the gather and nothing else to read the float32 result, it does not "
+    "run on XLA:CPU, and no pass produces NVFP4 codes (a block computation, not a convert). "
+    "What the explicit path guarantees: the gathered buffers are the BF16 slices (`compute`) "
+    "or the uint8 codes and E4M3 scales (`quantized`) whatever the partitioner or later passes "
+    "do, with losses and gradients bit-identical to `master` (tests/test_weight_gather.py); "
+    "the other collectives of the step (activations for the Wgrad GEMMs, gradients, the "
+    "optimizer) stay XLA's.",
+    "",
+)
 
 
 if __name__ == "__main__":
