@@ -75,3 +75,19 @@ def test_which_linears_gather_how():
     assert mode_for("quantized", nvfp4_ops.get_recipe("nvfp4-no-2d")) == "compute"
     assert mode_for("compute", nvfp4) == "compute"
     assert [mode_for(g, bf16) for g in ("master", "compute", "quantized")] == ["master"] * 3
+
+
+def test_show_config_estimates_the_gathers_of_each_mode():
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.comms import format_gathers, gathered_bytes
+
+    model = {"vocab_size": 64, "d_model": 128, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 64, "max_seq_len": 16}  # fmt: skip
+    precision = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    cfg = config_from_dict({"output_dir": "/tmp/unused", "model": model, "precision": precision,
+                            "train": {"seq_len": 16}, "mesh": {"data": 1, "fsdp": 8}})  # fmt: skip
+    totals = gathered_bytes(cfg, 8)
+    elements = 2 * sum(k * n for k, n in NVFP4_KERNELS) * 7 / 8  # two blocks, 7/8 received
+    assert totals == {"master": 4 * elements, "compute": 2 * elements,
+                      "quantized": 0.5625 * elements}  # fmt: skip
+    assert "master" in format_gathers(cfg, 8) and "<- precision.gather" in format_gathers(cfg, 8)
