@@ -62,7 +62,7 @@ def test_a_kernel_slice_that_is_not_whole_tiles_is_refused():
     mesh = jax.sharding.AbstractMesh((1, 8, 1, 1), AXES)
     plan = GatherPlan(mesh, ("fsdp", None), (None, None), 0)
     check_tiles(plan, (128, 48), "qkv")
-    with pytest.raises(ConfigError, match=r"qkv kernel \(64, 48\) dimension 0 \(64 split 8 ways"):
+    with pytest.raises(ConfigError, match=r"qkv \(64, 48\) dimension 0 \(64 split 8 ways"):
         check_tiles(plan, (64, 48), "qkv")
     with pytest.raises(ConfigError, match=r"dimension 1 \(40\) gives slices of 40"):
         check_tiles(plan, (128, 40), "qkv")
@@ -91,3 +91,20 @@ def test_show_config_estimates_the_gathers_of_each_mode():
     assert totals == {"master": 4 * elements, "compute": 2 * elements,
                       "quantized": 0.5625 * elements}  # fmt: skip
     assert "master" in format_gathers(cfg, 8) and "<- precision.gather" in format_gathers(cfg, 8)
+
+
+def test_a_run_whose_kernel_slices_are_not_whole_tiles_is_refused_at_start_up():
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.comms import check_gather_tiles
+
+    model = {"vocab_size": 64, "d_model": 64, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 64, "max_seq_len": 16}  # fmt: skip
+    sections = {"output_dir": "/tmp/unused", "model": model, "train": {"seq_len": 16},
+                "mesh": {"data": 1, "fsdp": 8}}  # fmt: skip
+    precision = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    check_gather_tiles(config_from_dict({**sections, "precision": precision}), 8)  # master
+    quantized = config_from_dict({**sections, "precision": {**precision, "gather": "quantized"}})
+    with pytest.raises(
+        ConfigError, match=r"layers.0.attn.o.kernel \(64, 64\) dimension 1 \(64 split 8"
+    ):
+        check_gather_tiles(quantized, 8)

@@ -126,7 +126,7 @@ class QuantLinear(nnx.Module):
         mode = mode_for(self.gather, self.recipe)
         plan = None if mode == "master" else gather_plan(self.kernel_axes, w.shape)
         if plan is not None and mode == "quantized":
-            check_tiles(plan, w.shape, type(self).__name__)
+            check_tiles(plan, w.shape, "a QuantLinear's kernel")
             qw = gather_quantized(w, plan, self.recipe)
             return nvfp4_ops.prequantized_dot_general(
                 x, w, qw, preferred_element_type=jnp.float32, recipe=self.recipe, key=key,

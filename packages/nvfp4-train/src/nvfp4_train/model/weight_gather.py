@@ -97,7 +97,7 @@ def check_tiles(plan: GatherPlan, shape: tuple[int, int], what: str) -> None:
         if (size // parts) % TILE:
             split = f" split {parts} ways over {_names(entry)}" if parts > 1 else ""
             raise ConfigError(
-                f"precision.gather=quantized: {what} kernel {tuple(shape)} dimension {dim} "
+                f"precision.gather=quantized: {what} {tuple(shape)} dimension {dim} "
                 f"({size}{split}) gives slices of {size // parts}, not a multiple of {TILE} "
                 "(each device quantizes its slice in 16x16 tiles); use precision.gather=compute "
                 "or a mesh whose slices are multiples of 16"

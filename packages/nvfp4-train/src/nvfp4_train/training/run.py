@@ -30,6 +30,7 @@ from nvfp4_train.mesh.sharding import (
     check_expert_split,
     make_mesh,
 )
+from nvfp4_train.training.comms import check_gather_tiles
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
 from nvfp4_train.training.session import exclusive, run_checkpoints, sayer, with_data
@@ -65,6 +66,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     cfg, datasets = with_data(cfg)  # data and mesh errors before anything is written
     mesh = make_mesh(cfg.mesh, jax.devices())
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
+    check_gather_tiles(cfg, mesh.size)
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, mesh, run_dir, stream)
 
