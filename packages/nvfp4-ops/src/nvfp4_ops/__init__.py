@@ -25,6 +25,12 @@ from nvfp4_ops.fake_quant import fake_quantize
 from nvfp4_ops.fp8 import FP8Tensor, dequantize_fp8, quantize_fp8
 from nvfp4_ops.grouped import ragged_dot, ragged_operand_stats
 from nvfp4_ops.hadamard import TE_SIGNS, hadamard_matrix, hadamard_transform
+from nvfp4_ops.prequantized import (
+    prequantized_dot_general,
+    prequantized_unsupported,
+    quantize_weight,
+    weight_amax,
+)
 from nvfp4_ops.qdot import RESIDUAL_NAME
 from nvfp4_ops.recipe import FORMATS, RECIPES, Recipe, TensorQuant, compose, get_recipe
 from nvfp4_ops.te_backend import te_sharding
@@ -59,11 +65,15 @@ __all__ = [
     "hadamard_matrix",
     "hadamard_transform",
     "operand_stats",
+    "prequantized_dot_general",
+    "prequantized_unsupported",
     "quantize_fp8",
+    "quantize_weight",
     "ragged_dot",
     "ragged_operand_stats",
     "select_backend",
     "te_sharding",
     "verification",
     "verify_backend",
+    "weight_amax",
 ]

@@ -54,6 +54,7 @@ __all__ = [
     "computed_once",
     "dgrad_weight_quant",
     "named_residuals",
+    "prequantized_dot",
     "quantized_dot",
     "split_keys",
     "wgrad_rotation",
@@ -177,3 +178,38 @@ def quantized_dot(x: jax.Array, w: jax.Array, key: jax.Array | None, cfg: GemmCo
 
 
 quantized_dot.defvjp(_fwd, _bwd)
+
+
+def _prequantized_fwd(x, w, qw, key, cfg: GemmConfig):
+    """`_fwd` with the Fprop weight quantization `qw` given (w itself is not read)."""
+    del w
+    recipe, gemm = cfg.recipe, GEMMS[cfg.backend]
+    ops, keys = operand_quants(recipe), split_keys(key)
+    fprop_x, fprop_w = ops["fprop_x"], ops["fprop_w"]
+    with jax.named_scope("nvfp4/fprop"):
+        qx = _quantized(fprop_x, x, keys)
+        y = gemm(qx, fprop_x.tq, qw, fprop_w.tq).astype(cfg.out_dtype)
+    with jax.named_scope("nvfp4/save_residuals"):
+        qxt = _wgrad_input(x, ops["wgrad_x"], keys)
+    return y, (*named_residuals((qxt, qw)), key)
+
+
+def _prequantized_bwd(cfg: GemmConfig, residuals, dy):
+    dx, dw, _ = _bwd(cfg, residuals, dy)
+    return dx, dw, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def prequantized_dot(
+    x: jax.Array, w: jax.Array, qw: Any, key: jax.Array | None, cfg: GemmConfig
+) -> jax.Array:
+    """`quantized_dot` with W's Fprop quantization `qw` (w^T [B, N, K]) computed by the caller.
+
+    Fprop and Dgrad read `qw` (the recipe must reuse the Fprop weight in Dgrad: 16x16 tiles);
+    `w` [B, K, N] is never read, it only receives the weight gradient, the recipe's Wgrad (from
+    x and dY), exactly `quantized_dot`'s. `qw` gets no gradient.
+    """
+    return _prequantized_fwd(x, w, qw, key, cfg)[0]
+
+
+prequantized_dot.defvjp(_prequantized_fwd, _prequantized_bwd)

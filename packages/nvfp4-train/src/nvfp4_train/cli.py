@@ -3,7 +3,7 @@
     nvfp4-train run CONFIG.yaml [key=value ...]          train (or resume) a run
     nvfp4-train show-config CONFIG.yaml [key=value ...]  print the fully resolved config and
         [--memory] [--devices N]                         its precision schedule (and what
-                                                         one device holds)
+                                                         one device holds, what FSDP gathers)
     nvfp4-train prepare-data INPUT ... --tokenizer T -o DIR  tokenize parquet/JSONL/text
                                                          into token shards (resumable)
     nvfp4-train eval RUN_DIR                             validation loss of the newest checkpoint
@@ -152,6 +152,7 @@ def _show_config(args: argparse.Namespace) -> int:
     if args.memory or args.devices is not None:
         import jax
 
+        from nvfp4_train.training.comms import format_gathers
         from nvfp4_train.training.memory import (
             estimate_memory,
             format_attention_choices,
@@ -164,6 +165,7 @@ def _show_config(args: argparse.Namespace) -> int:
         estimate = estimate_memory(cfg, devices)
         sys.stdout.write(format_estimate(estimate))
         sys.stdout.write(format_attention_choices(estimate, cfg))
+        sys.stdout.write(format_gathers(cfg, devices))
     return 0
 
 

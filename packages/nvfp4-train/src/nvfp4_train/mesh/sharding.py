@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.mesh_axes import AXES, EXPERT_AXIS, TOKEN_AXES
+from nvfp4_train.mesh_axes import AXES, EXPERT_AXIS, TOKEN_AXES, fit_axes
 from nvfp4_train.model.stacking import is_stacked
 from nvfp4_train.tree_paths import key_names
 
@@ -116,13 +116,14 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device]) -> Mesh:
 
 def _fit(spec: Sequence[str | tuple | None], shape: Sequence[int], mesh: Mesh) -> P:
     """`spec` with every axis that does not divide its dimension dropped (that dim replicated)."""
-    fitted = []
-    for axes, dim in zip(spec, shape, strict=True):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        names = tuple(a for a in names if mesh.shape[a] > 1)
-        size = math.prod(mesh.shape[a] for a in names)
-        fitted.append(names if names and dim % size == 0 else None)
-    return P(*[(n[0] if len(n) == 1 else n) if n else None for n in fitted])
+    return P(*fit_axes(spec, shape, dict(mesh.shape)))
+
+
+def kernel_axes(module: str) -> tuple[str | None, ...] | None:
+    """The mesh axes of a linear's kernel [in, out] by the module's name ("qkv", "o", "gate_up",
+    "down", "lm_head", ...; what `param_spec` splits it by, before fitting), None for another."""
+    rule = _RULES.get(module)
+    return None if module in ("embedding", "router") else rule
 
 
 def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:

@@ -16,6 +16,15 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.attention import attention
+from nvfp4_train.model.weight_gather import (
+    check_tiles,
+    gather_compute,
+    gather_plan,
+    gather_quantized,
+    linear_product,
+    mode_for,
+    product_with_gathered,
+)
 
 INPUT_AMAX = "input_amax"
 """Name of the `nnx.Intermediate` each `QuantLinear` call sows: max |input| of that call."""
@@ -58,6 +67,11 @@ class QuantLinear(nnx.Module):
     `OUTPUT_GRAD` to the output, so the gradient w.r.t. it is dy. Off (the default) the call traces
     to exactly the same graph as without it.
 
+    `gather` ("master", "compute" or "quantized", `precision.gather`) and `kernel_axes` (the mesh
+    axes of the kernel, `mesh.sharding.kernel_axes`) are static attributes set on a built model
+    (`training.step.ModelSpec.build`): under a context mesh whose `fsdp` splits the kernel, it is
+    gathered as `nvfp4_train.model.weight_gather` says (same bits in every mode).
+
     Example:
         >>> lin = QuantLinear(64, 32, recipe=nvfp4_ops.get_recipe("bf16"), init_std=0.02,
         ...                   dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -84,6 +98,8 @@ class QuantLinear(nnx.Module):
         self.backend = backend
         self.dtype = dtype
         self.capture_operands = False
+        self.gather = "master"
+        self.kernel_axes = None
 
     def __call__(self, x_NxI: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Returns `x @ kernel` in the compute dtype; `key` feeds the recipe's stochastic rounding.
@@ -95,11 +111,7 @@ class QuantLinear(nnx.Module):
         amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
         sow_input_amax(self, amax)
         w = self.kernel[...].astype(self.dtype)
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        y = nvfp4_ops.dot_general(
-            x, w, dims, preferred_element_type=jnp.float32, recipe=self.recipe, key=key,
-            backend=self.backend,
-        )  # fmt: skip
+        y = self._product(x, w, key)
         if self.bias is not None:
             y = y + self.bias[...]
         y = y.astype(self.dtype)
@@ -108,6 +120,22 @@ class QuantLinear(nnx.Module):
             self.sow(LinearOperand, OPERAND_W, w, reduce_fn=_latest)
             y = self.perturb(OUTPUT_GRAD, y)
         return y
+
+    def _product(self, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
+        """x @ w in float32 through the recipe, w gathered per `self.gather`."""
+        mode = mode_for(self.gather, self.recipe)
+        plan = None if mode == "master" else gather_plan(self.kernel_axes, w.shape)
+        if plan is not None and mode == "quantized":
+            check_tiles(plan, w.shape, "a QuantLinear's kernel")
+            qw = gather_quantized(w, plan, self.recipe)
+            return nvfp4_ops.prequantized_dot_general(
+                x, w, qw, preferred_element_type=jnp.float32, recipe=self.recipe, key=key,
+                backend=self.backend,
+            )  # fmt: skip
+        if plan is not None:
+            gathered = gather_compute(w, plan)
+            return product_with_gathered(x, w, gathered, key, self.recipe, self.backend)
+        return linear_product(x, w, key, self.recipe, self.backend)
 
 
 class RMSNorm(nnx.Module):

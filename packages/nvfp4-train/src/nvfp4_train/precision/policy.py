@@ -35,6 +35,7 @@ from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.config import ModelConfig, block_linear_names, linear_paths
 from nvfp4_train.model.decoder import layer_layout
 from nvfp4_train.model.stacking import LayerLayout
+from nvfp4_train.model.weight_gather import GATHER_MODES
 from nvfp4_train.precision.schedule import (
     GEMMS,
     PrecisionPhase,
@@ -123,6 +124,12 @@ class PrecisionConfig:
         schedule: `ScheduleRule`s applied in order after the settings above (later rules win):
             which preset quantizes which GEMMs (fprop, dgrad, wgrad) of which linears (regex)
             in which window of steps; see `nvfp4_train.precision.schedule` and docs/precision-policy.md.
+        gather: what FSDP (`mesh.fsdp` > 1) gathers of each linear's kernel: "master" (default:
+            the float32 master, cast after the gather as XLA places it), "compute" (each slice cast
+            to the compute dtype, then gathered), "quantized" (each slice quantized in the recipe's
+            16x16 weight tiles with the global tensor scale, the packed FP4 codes and E4M3 scales
+            gathered; linears whose recipe cannot use them gather as "compute"). Same bits in
+            every mode; see `nvfp4_train.model.weight_gather` and docs/distributed.md.
 
     Example:
         >>> PrecisionConfig(recipe="nvfp4", overrides=("layers\\\\.0\\\\..*=bf16",)).recipe
@@ -137,8 +144,17 @@ class PrecisionConfig:
     overrides: tuple[str, ...] = ()
     bf16_forward_from: int | float | None = None
     schedule: tuple[ScheduleRule, ...] = ()
+    gather: str = "master"
 
     def __post_init__(self):
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"precision.gather must be one of {GATHER_MODES}, got {self.gather!r}")
+        if self.gather == "quantized" and backend_spec(self.backend) == "te":
+            raise ValueError(
+                "precision.gather=quantized runs the quantized linears on a quantized weight, "
+                "which the 'emulated' and 'xla' backends take and 'te' does not (it quantizes "
+                "its own); got precision.backend='te'"
+            )
         _check_recipe_name(self.recipe, "precision.recipe")
         backend_spec(self.backend)
         if self.verify_backend not in VERIFY_MODES:

@@ -66,10 +66,11 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
 
 IMPLEMENTATION_KEYS = {
     "model": ("scan_layers", "remat", "init_from", "attention", "attention_block"),
-    "precision": ("backend", "verify_backend"),
+    "precision": ("backend", "verify_backend", "gather"),
 }
 """Keys that say how a run computes, not what it computes: a run may resume on other ones
-(another machine, another backend, stacked blocks or not, another remat policy: checkpoints are
+(another machine, another backend, stacked blocks or not, another remat policy, another weight
+gather (same bits): checkpoints are
 per layer; the model directory a run started from, which may have moved), so they are not
 compared."""
 

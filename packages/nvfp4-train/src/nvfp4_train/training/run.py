@@ -30,6 +30,7 @@ from nvfp4_train.mesh.sharding import (
     check_expert_split,
     make_mesh,
 )
+from nvfp4_train.training.comms import check_gather_tiles
 from nvfp4_train.training.downstream import load_tasks
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
@@ -68,6 +69,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     tasks = load_tasks(cfg.eval.tasks)
     mesh = make_mesh(cfg.mesh, jax.devices())
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
+    check_gather_tiles(cfg, mesh.size)
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, tasks, mesh, run_dir, stream)
 

@@ -29,9 +29,10 @@ from jax.sharding import Mesh
 
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.mesh.sharding import activation_constraint, trace_context
+from nvfp4_train.mesh.sharding import activation_constraint, kernel_axes, trace_context
 from nvfp4_train.model.config import ModelConfig, input_amax_shape, linear_paths
 from nvfp4_train.model.decoder import Llama
+from nvfp4_train.model.layers import QuantLinear
 from nvfp4_train.model.moe_config import MoEConfig
 from nvfp4_train.model.moe_stats import (
     auxiliary_objective,
@@ -75,17 +76,33 @@ class ModelSpec:
         recipes: module path -> `nvfp4_ops.Recipe` of the base model (`policy.layer_recipes`).
         backend: `nvfp4_ops.dot_general`'s backend (`policy.backend_spec` of `precision.backend`).
         layout: which blocks are stored stacked (`policy.run_layout`).
+        gather: what FSDP gathers of each linear's kernel (`precision.gather`,
+            `model.weight_gather`).
     """
 
     config: ModelConfig
     recipes: Mapping[str, nvfp4_ops.Recipe]
     backend: str | tuple[str, ...]
     layout: LayerLayout
+    gather: str = "master"
 
     def build(self, rngs: nnx.Rngs, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None) -> Llama:
         """The model, with `recipes` instead of the base ones when given."""
         recipes = dict(self.recipes if recipes is None else recipes)
-        return Llama(self.config, recipes, rngs=rngs, backend=self.backend, layout=self.layout)
+        model = Llama(self.config, recipes, rngs=rngs, backend=self.backend, layout=self.layout)
+        return with_weight_gather(model, self.gather)
+
+
+def with_weight_gather(model: nnx.Module, gather: str) -> nnx.Module:
+    """`model` with every `QuantLinear` set to gather its kernel per `gather` (`precision.gather`),
+    its kernel's mesh axes taken from the sharding rules by the linear's name (in place)."""
+    if gather == "master":
+        return model
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, QuantLinear) and path:
+            module.gather = gather
+            module.kernel_axes = kernel_axes(str(path[-1]))
+    return model
 
 
 def model_spec(cfg) -> ModelSpec:
@@ -97,6 +114,7 @@ def model_spec(cfg) -> ModelSpec:
         layer_recipes(cfg.model, cfg.precision),
         backend_spec(cfg.precision.backend),
         run_layout(cfg),
+        cfg.precision.gather,
     )
 
 

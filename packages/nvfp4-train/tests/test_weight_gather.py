@@ -1,0 +1,110 @@
+"""`precision.gather` (`model.weight_gather`): what FSDP gathers of each linear's kernel.
+
+- On 8 fake CPU devices (one subprocess, `weight_gather_check.py`), a 3-block model (blocks 0 and
+  2 BF16, block 1 NVFP4) on fsdp=8 and on fsdp=4 x tensor=2: "compute" and "quantized" give the
+  loss, the logits and every parameter's gradient of "master" bit for bit, and the compiled
+  "quantized" step all-gathers exactly the NVFP4 linears' packed codes as uint8 (K * N / 2 bytes
+  per kernel, over `tensor` split as the kernel is), which "master" never does.
+- Config: the allowed modes; a kernel slice that is not whole 16x16 tiles is refused with one
+  line naming the kernel, the dimension and the mesh; which linears gather how.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import nvfp4_ops
+from nvfp4_train.errors import ConfigError
+from nvfp4_train.mesh_axes import AXES
+from nvfp4_train.model.weight_gather import GatherPlan, check_tiles, mode_for
+from nvfp4_train.precision.policy import PrecisionConfig
+
+EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+D_MODEL, MLP, QKV = 128, 64, (4 + 2 * 2) * 32
+NVFP4_KERNELS = [(D_MODEL, QKV), (D_MODEL, D_MODEL), (D_MODEL, 2 * MLP), (MLP, D_MODEL)]
+"""Block 1's kernels [K, N] (qkv, o, gate_up, down) of weight_gather_check.CFG."""
+
+
+def test_every_mode_equals_master_bit_for_bit_and_quantized_gathers_codes():
+    script = Path(__file__).with_name("weight_gather_check.py")
+    meshes = [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}]
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(meshes)], capture_output=True, text=True,
+        env={**os.environ, **EIGHT}, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for result, sizes in zip(results, meshes, strict=True):
+        for mode, differ in result["differ"].items():
+            assert not any(differ.values()), (sizes, mode, {k: v for k, v in differ.items() if v})
+        tensor = sizes.get("tensor", 1)
+        codes = sum(k * n // 2 for k, n in NVFP4_KERNELS) // tensor
+        assert result["collectives"]["quantized"].get("u8") == codes, result["collectives"]
+        assert "u8" not in result["collectives"]["master"]
+
+
+def test_gather_modes_are_checked():
+    assert PrecisionConfig(gather="quantized").gather == "quantized"
+    with pytest.raises(ValueError, match=r"precision.gather must be one of .*'fp4'"):
+        PrecisionConfig(gather="fp4")
+    with pytest.raises(ValueError, match=r"gather=quantized .* got precision.backend='te'"):
+        PrecisionConfig(gather="quantized", backend="te")
+
+
+def test_a_kernel_slice_that_is_not_whole_tiles_is_refused():
+    mesh = jax.sharding.AbstractMesh((1, 8, 1, 1), AXES)
+    plan = GatherPlan(mesh, ("fsdp", None), (None, None), 0)
+    check_tiles(plan, (128, 48), "qkv")
+    with pytest.raises(ConfigError, match=r"qkv \(64, 48\) dimension 0 \(64 split 8 ways"):
+        check_tiles(plan, (64, 48), "qkv")
+    with pytest.raises(ConfigError, match=r"dimension 1 \(40\) gives slices of 40"):
+        check_tiles(plan, (128, 40), "qkv")
+
+
+def test_which_linears_gather_how():
+    nvfp4, bf16 = nvfp4_ops.get_recipe("nvfp4"), nvfp4_ops.get_recipe("bf16")
+    assert mode_for("quantized", nvfp4) == "quantized"
+    assert mode_for("quantized", nvfp4.with_bf16_fprop()) == "compute"
+    assert mode_for("quantized", nvfp4_ops.get_recipe("nvfp4-no-2d")) == "compute"
+    assert mode_for("compute", nvfp4) == "compute"
+    assert [mode_for(g, bf16) for g in ("master", "compute", "quantized")] == ["master"] * 3
+
+
+def test_show_config_estimates_the_gathers_of_each_mode():
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.comms import format_gathers, gathered_bytes
+
+    model = {"vocab_size": 64, "d_model": 128, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 64, "max_seq_len": 16}  # fmt: skip
+    precision = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    cfg = config_from_dict({"output_dir": "/tmp/unused", "model": model, "precision": precision,
+                            "train": {"seq_len": 16}, "mesh": {"data": 1, "fsdp": 8}})  # fmt: skip
+    totals = gathered_bytes(cfg, 8)
+    elements = 2 * sum(k * n for k, n in NVFP4_KERNELS) * 7 / 8  # two blocks, 7/8 received
+    assert totals == {"master": 4 * elements, "compute": 2 * elements,
+                      "quantized": 0.5625 * elements}  # fmt: skip
+    assert "master" in format_gathers(cfg, 8) and "<- precision.gather" in format_gathers(cfg, 8)
+
+
+def test_a_run_whose_kernel_slices_are_not_whole_tiles_is_refused_at_start_up():
+    from nvfp4_train.config.run_config import config_from_dict
+    from nvfp4_train.training.comms import check_gather_tiles
+
+    model = {"vocab_size": 64, "d_model": 64, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "mlp_dim": 64, "max_seq_len": 16}  # fmt: skip
+    sections = {"output_dir": "/tmp/unused", "model": model, "train": {"seq_len": 16},
+                "mesh": {"data": 1, "fsdp": 8}}  # fmt: skip
+    precision = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    check_gather_tiles(config_from_dict({**sections, "precision": precision}), 8)  # master
+    quantized = config_from_dict({**sections, "precision": {**precision, "gather": "quantized"}})
+    with pytest.raises(
+        ConfigError, match=r"layers.0.attn.o.kernel \(64, 64\) dimension 1 \(64 split 8"
+    ):
+        check_gather_tiles(quantized, 8)
