@@ -36,7 +36,8 @@ def _scan_layers_from(request):
 
 
 LONGEST_FIRST = (
-    "test_scan.py", "test_step.py", "test_telemetry.py", "test_backend_check.py",
+    "test_scan.py", "test_weight_gather.py", "test_step.py", "test_telemetry.py",
+    "test_backend_check.py",
     "test_schedule.py", "test_moe_telemetry.py", "test_safety.py", "test_moe.py",
     "test_distributed.py", "test_resume.py",
     "test_precision_schedule.py", "test_attention.py", "test_sharding.py",
