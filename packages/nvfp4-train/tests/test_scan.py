@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from run_steps import initial, probe_of, run_optimizer, train_step_of
@@ -173,6 +174,38 @@ def test_a_seed_gives_the_same_weights_stacked_or_not():
     assert leaves_equal(layout.to_canonical(scanned.params), plain.params)
     assert leaves_equal(layout.to_canonical(scanned.opt_state), plain.opt_state)
     assert leaves_equal(scanned.activation_amax, plain.activation_amax)  # always per layer
+
+
+def _jitted_init(cfg):
+    return jax.jit(lambda: initial(cfg)[1])()
+
+
+def test_the_jitted_init_gives_the_same_weights_stacked_or_not():
+    # the run's init is jitted: there a run of stacked blocks is built by a scanned init, and
+    # each block must still draw the keys (and round the values) it draws built on its own
+    scanned, plain = (
+        _jitted_init(scan_cfg(scan=True, layers=6)),
+        _jitted_init(scan_cfg(scan=False, layers=6)),
+    )
+    assert sorted(scanned.params["layers"]) == ["0", "1-4", "5"]
+    layout = run_layout(scan_cfg(scan=True, layers=6))
+    assert leaves_equal(layout.to_canonical(scanned.params), plain.params)
+    assert leaves_equal(layout.to_canonical(scanned.opt_state), plain.opt_state)
+    blocks = scanned.params["layers"]["1-4"]["mlp"]["down"]["kernel"]
+    assert not np.array_equal(blocks[0], blocks[1])  # each block its own keys
+    again = _jitted_init(scan_cfg(scan=True, layers=6))
+    assert leaves_equal(again.params, scanned.params)
+
+
+def _init_eqns(layers: int) -> int:
+    cfg = scan_cfg(scan=True, layers=layers)
+    build = lambda: nnx.split(model_spec(cfg).build(nnx.Rngs(params=0)))[1]  # noqa: E731
+    return len(jax.make_jaxpr(build)().jaxpr.eqns)
+
+
+def test_the_init_of_stacked_blocks_does_not_grow_with_depth():
+    # 4 blocks are stored 0, 1-2, 3 and 10 blocks 0, 1-8, 9: one scanned init each
+    assert _init_eqns(10) == _init_eqns(4)
 
 
 def test_the_late_bf16_forward_runs_on_the_stacked_state():
