@@ -40,6 +40,8 @@ from run_steps import initial, probe_of, run_optimizer, train_step_of
 
 import nvfp4_train.model.config
 from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.checkpoint.integrity import state_integrity
+from nvfp4_train.checkpoint.per_layer import PerLayer
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.mesh.sharding import AXES, param_spec, tree_shardings
 from nvfp4_train.model.config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
@@ -389,6 +391,28 @@ def test_checkpoints_are_per_layer_and_restore_into_either_layout(
         restored_view.to_canonical(restored.opt_state), saved_view.to_canonical(state.opt_state)
     )
     assert flat_amax(restored.activation_amax) == flat_amax(state.activation_amax)  # per layer
+
+
+def test_the_integrity_of_a_stacked_state_is_the_per_layer_one_on_disk():
+    # checksums are taken before the split, one vmapped program per stacked array: they must be
+    # those of the per-layer arrays written, under their per-layer paths
+    cfg = scan_cfg(scan=True)
+    state = jiggled(initial(cfg)[1])
+    on_disk = PerLayer(run_layout(cfg)).to_disk(state)
+    assert sorted(on_disk.params["layers"]) == ["0", "1", "2", "3"]
+    stacked, per_layer = state_integrity(state), state_integrity(on_disk)
+    assert stacked == per_layer and stacked["finite"]
+    sums = stacked["checksums"]
+    assert "params.layers.2.mlp.down.kernel" in sums and not any("1-2" in p for p in sums)
+    assert sums["params.layers.1.mlp.down.kernel"] != sums["params.layers.2.mlp.down.kernel"]
+    broken = state.params["layers"]["1-2"]["mlp"]["down"]["kernel"].at[1, 0, 0].set(jnp.inf)
+    params = {**state.params, "layers": {**state.params["layers"]}}
+    params["layers"]["1-2"] = {**params["layers"]["1-2"], "mlp": {**params["layers"]["1-2"]["mlp"]}}
+    params["layers"]["1-2"]["mlp"]["down"] = {"kernel": broken}
+    changed = state_integrity(state._replace(params=params))
+    assert not changed["finite"]
+    differ = [p for p in sums if sums[p] != changed["checksums"][p]]
+    assert differ == ["params.layers.2.mlp.down.kernel"]
 
 
 def test_a_run_saved_unscanned_resumes_scanned_and_evaluates(tmp_path, tiny_config):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.tree_util import keystr
 
 from nvfp4_train.mesh.sharding import host_value
+from nvfp4_train.model.stacking import is_stacked, layer_paths
 
 ALGORITHM = "u32-sum+golden-sum"
 GOLDEN = 0x9E3779B1
@@ -60,23 +61,55 @@ def _items(state: Any) -> dict[str, Any]:
     return {name: getattr(state, name) for name in state._fields if name != "step"}
 
 
+def _names(path: tuple) -> tuple[str, ...]:
+    return tuple(keystr((key,), simple=True, separator=".") for key in path)
+
+
+def _finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+
+
 @jax.jit
-def _integrity(items: dict[str, Any]) -> tuple[dict[str, jax.Array], jax.Array]:
-    flat = jax.tree_util.tree_flatten_with_path(items)[0]
-    sums = {keystr(path, simple=True, separator="."): _checksums(leaf) for path, leaf in flat}
-    floats = [leaf for _, leaf in flat if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(f)) for f in floats])) if floats else True
-    return sums, jnp.asarray(finite)
+def _leaf_integrity(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(uint32 [2] checksums, all finite) of one array."""
+    return _checksums(x), _finite(x)
+
+
+@jax.jit
+def _stacked_integrity(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(uint32 [layers, 2]: the checksums of each block, all finite) of a stacked array."""
+    return jax.vmap(_checksums)(x), _finite(x)
 
 
 def state_integrity(state: Any) -> dict[str, Any]:
-    """{"algorithm", "finite": bool, "checksums": {item.path: [s1, s2]}} of a TrainState."""
-    sums, finite = jax.tree.map(host_value, _integrity(_items(state)))
-    return {
-        "algorithm": ALGORITHM,
-        "finite": bool(finite),
-        "checksums": {path: [int(v[0]), int(v[1])] for path, v in sums.items()},
-    }
+    """{"algorithm", "finite": bool, "checksums": {item.path: [s1, s2]}} of a TrainState.
+
+    The paths are per layer whatever the layout: an array of stacked blocks
+    (`params.layers.1-30...`, `model.stacking`) has one checksum pair per block, under the path
+    each block has once split (`params.layers.1...`, ...), the same pair its slice has. Each
+    array goes through one jitted program per shape and dtype (vmapped over the blocks of a
+    stacked one), so the programs compiled do not grow with depth.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(_items(state))[0]
+    stored = [_names(path) for path, _ in flat]
+    results = [
+        (_stacked_integrity if is_stacked(n) else _leaf_integrity)(x)
+        for n, (_, x) in zip(stored, flat, strict=True)
+    ]  # all dispatched before any is read back
+    checksums, finite = {}, True
+    for names, (sums, leaf_finite) in zip(stored, jax.tree.map(host_value, results), strict=True):
+        finite = finite and bool(leaf_finite)
+        paths = layer_paths(names)
+        if not is_stacked(names):
+            checksums[paths[0]] = [int(sums[0]), int(sums[1])]
+        elif sums.shape[0] != len(paths):
+            raise ValueError(
+                f"{'.'.join(names)} holds {len(paths)} stacked blocks but has a leading axis "
+                f"of {sums.shape[0]}"
+            )
+        else:
+            checksums.update({p: [int(r[0]), int(r[1])] for p, r in zip(paths, sums, strict=True)})
+    return {"algorithm": ALGORITHM, "finite": finite, "checksums": checksums}
 
 
 def integrity_problems(state: Any, saved: dict[str, Any] | None) -> list[str]:
