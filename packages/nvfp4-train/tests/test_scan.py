@@ -439,3 +439,11 @@ def test_a_run_saved_unscanned_resumes_scanned_and_evaluates(tmp_path, tiny_conf
     rel = abs(second.last_loss - first.last_loss) / first.last_loss
     assert rel < 1e-2, (second.last_loss, first.last_loss)
     assert second.val_loss is not None and np.isfinite(second.val_loss)
+
+
+def test_a_layout_is_read_back_from_its_layers_keys():
+    layout = LayerLayout(32, runs=((1, 28), (28, 32)))
+    assert LayerLayout.of_keys([key for key, _, _ in layout.entries]) == layout
+    assert LayerLayout.of_keys(["1", "0"]) == LayerLayout(2)
+    with pytest.raises(ValueError, match="got 'attn'"):
+        LayerLayout.of_keys(["0", "attn"])

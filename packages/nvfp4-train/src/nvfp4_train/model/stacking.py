@@ -164,6 +164,21 @@ class LayerLayout:
                 )
             previous = stop
 
+    @classmethod
+    def of_keys(cls, keys: Sequence[str]) -> LayerLayout:
+        """The layout whose `layers` dict has the keys `keys` ("0", "1-30", "31", ...)."""
+        runs, last = [], -1
+        for key in keys:
+            run = RUN_KEY.fullmatch(key)
+            if run:
+                runs.append((int(run.group(1)), int(run.group(2)) + 1))
+            elif not key.isdigit():
+                raise ValueError(
+                    f"layers keys must be block indices or runs 'first-last', got {key!r}"
+                )
+            last = max(last, runs[-1][1] - 1 if run else int(key))
+        return cls(last + 1, tuple(sorted(runs)))
+
     @property
     def scanned(self) -> bool:
         """Whether any blocks are stacked."""
