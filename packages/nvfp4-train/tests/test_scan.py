@@ -33,12 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 from run_steps import initial, probe_of, run_optimizer, train_step_of
 
 import nvfp4_train.model.config
 from nvfp4_train.checkpoint.checkpoints import Checkpoints
+from nvfp4_train.checkpoint.integrity import state_integrity
+from nvfp4_train.checkpoint.per_layer import PerLayer
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.mesh.sharding import AXES, param_spec, tree_shardings
 from nvfp4_train.model.config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
@@ -173,6 +176,38 @@ def test_a_seed_gives_the_same_weights_stacked_or_not():
     assert leaves_equal(layout.to_canonical(scanned.params), plain.params)
     assert leaves_equal(layout.to_canonical(scanned.opt_state), plain.opt_state)
     assert leaves_equal(scanned.activation_amax, plain.activation_amax)  # always per layer
+
+
+def _jitted_init(cfg):
+    return jax.jit(lambda: initial(cfg)[1])()
+
+
+def test_the_jitted_init_gives_the_same_weights_stacked_or_not():
+    # the run's init is jitted: there a run of stacked blocks is built by a scanned init, and
+    # each block must still draw the keys (and round the values) it draws built on its own
+    scanned, plain = (
+        _jitted_init(scan_cfg(scan=True, layers=6)),
+        _jitted_init(scan_cfg(scan=False, layers=6)),
+    )
+    assert sorted(scanned.params["layers"]) == ["0", "1-4", "5"]
+    layout = run_layout(scan_cfg(scan=True, layers=6))
+    assert leaves_equal(layout.to_canonical(scanned.params), plain.params)
+    assert leaves_equal(layout.to_canonical(scanned.opt_state), plain.opt_state)
+    blocks = scanned.params["layers"]["1-4"]["mlp"]["down"]["kernel"]
+    assert not np.array_equal(blocks[0], blocks[1])  # each block its own keys
+    again = _jitted_init(scan_cfg(scan=True, layers=6))
+    assert leaves_equal(again.params, scanned.params)
+
+
+def _init_eqns(layers: int) -> int:
+    cfg = scan_cfg(scan=True, layers=layers)
+    build = lambda: nnx.split(model_spec(cfg).build(nnx.Rngs(params=0)))[1]  # noqa: E731
+    return len(jax.make_jaxpr(build)().jaxpr.eqns)
+
+
+def test_the_init_of_stacked_blocks_does_not_grow_with_depth():
+    # 4 blocks are stored 0, 1-2, 3 and 10 blocks 0, 1-8, 9: one scanned init each
+    assert _init_eqns(10) == _init_eqns(4)
 
 
 def test_the_late_bf16_forward_runs_on_the_stacked_state():
@@ -358,6 +393,28 @@ def test_checkpoints_are_per_layer_and_restore_into_either_layout(
     assert flat_amax(restored.activation_amax) == flat_amax(state.activation_amax)  # per layer
 
 
+def test_the_integrity_of_a_stacked_state_is_the_per_layer_one_on_disk():
+    # checksums are taken before the split, one vmapped program per stacked array: they must be
+    # those of the per-layer arrays written, under their per-layer paths
+    cfg = scan_cfg(scan=True)
+    state = jiggled(initial(cfg)[1])
+    on_disk = PerLayer(run_layout(cfg)).to_disk(state)
+    assert sorted(on_disk.params["layers"]) == ["0", "1", "2", "3"]
+    stacked, per_layer = state_integrity(state), state_integrity(on_disk)
+    assert stacked == per_layer and stacked["finite"]
+    sums = stacked["checksums"]
+    assert "params.layers.2.mlp.down.kernel" in sums and not any("1-2" in p for p in sums)
+    assert sums["params.layers.1.mlp.down.kernel"] != sums["params.layers.2.mlp.down.kernel"]
+    broken = state.params["layers"]["1-2"]["mlp"]["down"]["kernel"].at[1, 0, 0].set(jnp.inf)
+    params = {**state.params, "layers": {**state.params["layers"]}}
+    params["layers"]["1-2"] = {**params["layers"]["1-2"], "mlp": {**params["layers"]["1-2"]["mlp"]}}
+    params["layers"]["1-2"]["mlp"]["down"] = {"kernel": broken}
+    changed = state_integrity(state._replace(params=params))
+    assert not changed["finite"]
+    differ = [p for p in sums if sums[p] != changed["checksums"][p]]
+    assert differ == ["params.layers.2.mlp.down.kernel"]
+
+
 def test_a_run_saved_unscanned_resumes_scanned_and_evaluates(tmp_path, tiny_config):
     # BF16: what is tested is the run resuming across layouts (iterator, step, evaluation); the
     # mixed NVFP4 layout (0, 1-2, 3) with its per-layer amax restores in either direction above,
@@ -382,3 +439,11 @@ def test_a_run_saved_unscanned_resumes_scanned_and_evaluates(tmp_path, tiny_conf
     rel = abs(second.last_loss - first.last_loss) / first.last_loss
     assert rel < 1e-2, (second.last_loss, first.last_loss)
     assert second.val_loss is not None and np.isfinite(second.val_loss)
+
+
+def test_a_layout_is_read_back_from_its_layers_keys():
+    layout = LayerLayout(32, runs=((1, 28), (28, 32)))
+    assert LayerLayout.of_keys([key for key, _, _ in layout.entries]) == layout
+    assert LayerLayout.of_keys(["1", "0"]) == LayerLayout(2)
+    with pytest.raises(ValueError, match="got 'attn'"):
+        LayerLayout.of_keys(["0", "attn"])

@@ -137,9 +137,7 @@ class Checkpoints:
             reference: `{"tokens": int32 [n, L], "logits": float32 [n, L, V]}`, the model's
                 forward at this checkpoint on fixed sequences (a PyTree item), or None.
         """
-        if self._per_layer is not None:
-            state = self._per_layer.to_disk(state)
-        integrity = state_integrity(state)
+        integrity = state_integrity(state)  # per layer, of the stacked blocks as they are
         if not integrity["finite"]:
             kept = self.latest_step()
             raise NonFiniteState(
@@ -148,6 +146,8 @@ class Checkpoints:
                    "no checkpoint was saved before")
                 + ". Lower optimizer.learning_rate, or resume from that checkpoint."
             )  # fmt: skip
+        if self._per_layer is not None:
+            state = self._per_layer.to_disk(state)
         items = {k: ocp.args.StandardSave(v) for k, v in state_items(state).items()}
         json_items = {CONFIG_ITEM: config, QUANT_STATS_ITEM: quant_stats}  # for readers (export)
         integrity["json_sha256"] = {

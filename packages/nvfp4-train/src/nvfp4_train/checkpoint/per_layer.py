@@ -12,20 +12,30 @@ from nvfp4_train.checkpoint.items import LAYOUT_ITEMS
 from nvfp4_train.model.stacking import LayerLayout
 
 
+def _take_layer(stacked: jax.Array, j: jax.Array) -> jax.Array:
+    """Block `j` of a stacked array (its leading layer axis dropped)."""
+    return jax.lax.dynamic_index_in_dim(stacked, j, axis=0, keepdims=False)
+
+
 class PerLayer:
     """The conversions between a layout with stacked blocks and the per-layer one on disk."""
 
     def __init__(self, layout: LayerLayout) -> None:
         self.layout = layout
-        self._split = jax.jit(self.split)
+        self._take = jax.jit(_take_layer)
 
     def split(self, items: dict[str, Any]) -> dict[str, Any]:
         """`items` (trees of the stacked layout, or their abstract targets) per layer."""
         return {k: self.layout.to_canonical(v) for k, v in items.items()}
 
     def to_disk(self, state: NamedTuple) -> NamedTuple:
-        """`state` with its `LAYOUT_ITEMS` split per layer (a jitted copy)."""
-        return state._replace(**self._split({k: getattr(state, k) for k in LAYOUT_ITEMS}))
+        """`state` with its `LAYOUT_ITEMS` split per layer: each block of a stacked array is a
+        copy taken by one jitted program per shape and dtype (the layer index is an argument),
+        so saving compiles the same programs at any depth."""
+        items = {k: getattr(state, k) for k in LAYOUT_ITEMS}
+        return state._replace(
+            **{k: self.layout.to_canonical(v, take=self._take) for k, v in items.items()}
+        )
 
     def from_disk(self, state: NamedTuple, in_layout: dict[str, Any]) -> NamedTuple:
         """`state` read per layer with its `LAYOUT_ITEMS` stacked again, placed as the

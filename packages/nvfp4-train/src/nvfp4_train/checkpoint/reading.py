@@ -1,5 +1,5 @@
-"""Reading a checkpoint back: the saved config alone, or the whole train state checked against
-its integrity checksums (`checkpoint.integrity`) and stacked into the model's layout."""
+"""Reading a checkpoint back: the saved config alone, or the whole train state stacked into the
+model's layout and checked against its integrity checksums (`checkpoint.integrity`)."""
 
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ def restore_state(manager: ocp.CheckpointManager, directory: Path, step: int,
     state = abstract_state._replace(
         step=jnp.asarray(step, dtype=step_dtype), **{k: restored[k] for k in targets}
     )
+    if per_layer is not None:  # checked stacked: the checksums of a stacked array are per layer
+        state = per_layer.from_disk(state, in_layout)
     problems = integrity_problems(state, restored[INTEGRITY_ITEM] if has_integrity else None)
     if problems:
         raise CorruptCheckpoint(f"checkpoint of step {step}: {'; '.join(problems)}")
-    if per_layer is not None:
-        state = per_layer.from_disk(state, in_layout)
     return Restored(
         step=step,
         state=state,

@@ -69,11 +69,57 @@ def layer_layout(
     return LayerLayout(cfg.num_layers, runs_of([signature(i) for i in range(cfg.num_layers)]))
 
 
-def _stacked(blocks: list[Block]) -> Block:
-    """One Block whose variables are those of `blocks` stacked along a new leading axis."""
+def _traced(rngs: nnx.Rngs) -> bool:
+    """Whether `rngs` holds tracers: the model is being built inside `jax.jit` (or another
+    transformation) rather than op by op."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(nnx.state(rngs)))
+
+
+def _blocks_one_by_one(
+    cfg: ModelConfig,
+    recipes: dict[str, nvfp4_ops.Recipe],
+    start: int,
+    stop: int,
+    rngs: nnx.Rngs,
+    backend: str | tuple[str, ...],
+) -> Block:
+    """Blocks `start` .. `stop - 1` built one after another and stacked along a new leading axis:
+    the eager (op-by-op) init, which rounds `init_std * normal` as the unstacked eager init does
+    (a compiled scan fuses the product and may round it one ulp apart)."""
+    blocks = [Block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(start, stop)]
     graphdef, _ = nnx.split(blocks[0])
     states = [nnx.split(block)[1] for block in blocks]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def _scanned_blocks(
+    cfg: ModelConfig,
+    recipes: dict[str, nvfp4_ops.Recipe],
+    start: int,
+    stop: int,
+    rngs: nnx.Rngs,
+    backend: str | tuple[str, ...],
+) -> Block:
+    """Blocks `start` .. `stop - 1` (alike: one graph) as ONE Block whose variables have a
+    leading layer axis, initialised by a `jax.lax.scan` over the layers, so that the init
+    program holds one block whatever the depth. The scan carries the state of `rngs` (every
+    stream's key and counter): each block draws the keys it would draw built on its own after
+    the blocks before it, and `rngs` is left where building them one by one would leave it.
+    Under `jax.jit` the values are bit for bit those of `_blocks_one_by_one` under `jax.jit`."""
+    rngs_graphdef, rngs_state = nnx.split(rngs)
+    graphdefs = []
+
+    def build(state: Any, _: None) -> tuple[Any, Any]:
+        layer_rngs = nnx.merge(rngs_graphdef, state)
+        graphdef, block_state = nnx.split(
+            Block(cfg, recipes, start, rngs=layer_rngs, backend=backend)
+        )
+        graphdefs.append(graphdef)
+        return nnx.state(layer_rngs), block_state
+
+    rngs_state, stacked = jax.lax.scan(build, rngs_state, length=stop - start)
+    nnx.update(rngs, rngs_state)
+    return nnx.merge(graphdefs[0], stacked)
 
 
 def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
@@ -154,11 +200,15 @@ class Llama(nnx.Module):
             ]  # fmt: skip
             if differ:
                 raise ValueError(f"layout stacks blocks {start}..{stop - 1}, but {differ} differ")
-        # built one by one in any layout, so that a seed gives the same weights stacked or not
-        blocks = [Block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(cfg.num_layers)]
+        # built in model order in any layout, each block drawing the same keys, so that a seed
+        # gives the same weights stacked or not; under a trace (the run's jitted init) a run of
+        # stacked blocks is built by one scanned init, whose program does not grow with depth
+        build_run = _scanned_blocks if _traced(rngs) else _blocks_one_by_one
         self.layers = nnx.Dict(
             {
-                key: blocks[start] if stop - start == 1 else _stacked(blocks[start:stop])
+                key: Block(cfg, recipes, start, rngs=rngs, backend=backend)
+                if stop - start == 1
+                else build_run(cfg, recipes, start, stop, rngs, backend)
                 for key, start, stop in self.layout.entries
             }
         )

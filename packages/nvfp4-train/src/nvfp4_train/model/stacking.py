@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -164,6 +164,21 @@ class LayerLayout:
                 )
             previous = stop
 
+    @classmethod
+    def of_keys(cls, keys: Sequence[str]) -> LayerLayout:
+        """The layout whose `layers` dict has the keys `keys` ("0", "1-30", "31", ...)."""
+        runs, last = [], -1
+        for key in keys:
+            run = RUN_KEY.fullmatch(key)
+            if run:
+                runs.append((int(run.group(1)), int(run.group(2)) + 1))
+            elif not key.isdigit():
+                raise ValueError(
+                    f"layers keys must be block indices or runs 'first-last', got {key!r}"
+                )
+            last = max(last, runs[-1][1] - 1 if run else int(key))
+        return cls(last + 1, tuple(sorted(runs)))
+
     @property
     def scanned(self) -> bool:
         """Whether any blocks are stacked."""
@@ -179,14 +194,16 @@ class LayerLayout:
             i = stop
         return tuple(entries)
 
-    def to_canonical(self, tree: Any) -> Any:
+    def to_canonical(self, tree: Any, take: Callable[[Any, int], Any] | None = None) -> Any:
         """`tree` with every stacked entry of every params-like dict split into its blocks.
 
         Leaves may be arrays (sliced), NumPy arrays, or `jax.ShapeDtypeStruct`s (their sharding
-        loses the layer axis). A tree that is already per-layer is returned unchanged.
+        loses the layer axis). `take(array, j)`, when given, takes block `j` of a stacked array
+        (e.g. a jitted program shared by every block). A tree that is already per-layer is
+        returned unchanged.
         """
         return jax.tree.map(
-            lambda n: self._split(n) if _is_params(n) else n, tree, is_leaf=_is_params
+            lambda n: self._split(n, take) if _is_params(n) else n, tree, is_leaf=_is_params
         )
 
     def from_canonical(self, tree: Any) -> Any:
@@ -196,13 +213,17 @@ class LayerLayout:
             lambda n: self._join(n) if _is_params(n) else n, tree, is_leaf=_is_params
         )
 
-    def _split(self, node: dict) -> dict:
+    def _split(self, node: dict, take: Callable[[Any, int], Any] | None = None) -> dict:
         layers = dict(node["layers"])
+
+        def index(a: Any, j: int) -> Any:
+            return _index(a, j) if take is None or not isinstance(a, jax.Array) else take(a, j)
+
         for key, start, stop in self.entries:
             if stop - start > 1 and key in layers:
                 stacked = layers.pop(key)
                 for j in range(stop - start):
-                    layers[str(start + j)] = jax.tree.map(lambda a, j=j: _index(a, j), stacked)
+                    layers[str(start + j)] = jax.tree.map(lambda a, j=j: index(a, j), stacked)
         return {**node, "layers": layers}
 
     def _join(self, node: dict) -> dict:
