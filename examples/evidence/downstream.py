@@ -148,12 +148,15 @@ def main() -> None:
         args.runs_dir, args.heldout_chapters, config["data"]["validation_fraction"]
     )
     tasks = [*CHOICE_TASKS, heldout]
+    steps_of_run = config["train"]["steps"]
     runs, results, steps = {}, {}, {}
     for variant in args.variants:
         for seed in range(args.seeds):
             run = args.runs_dir / f"{variant}-s{seed}"
-            if not (run / "checkpoints").is_dir():
-                print(f"{run}: not trained (run_evidence.py trains it); left out")
+            if not (run / "checkpoints" / str(steps_of_run)).is_dir():
+                print(
+                    f"{run}: no step-{steps_of_run} checkpoint (run_evidence.py trains it); left out"
+                )
                 continue
             result = score(run, tasks, args.batch_size)
             runs.setdefault(variant, {})[seed] = metrics_of(result)
