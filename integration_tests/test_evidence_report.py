@@ -12,6 +12,7 @@ import pytest
 EVIDENCE = Path(__file__).resolve().parents[1] / "examples" / "evidence"
 sys.path.insert(0, str(EVIDENCE))
 
+import downstream  # noqa: E402
 import evidence_report  # noqa: E402
 import run_evidence  # noqa: E402
 
@@ -129,3 +130,17 @@ def test_a_tiny_study_trains_pairs_and_writes_the_outputs(tmp_path):
     # Rerunning trains nothing new (finished runs are skipped) and gives the same table.
     assert run_evidence.main(argv) == 0
     assert json.loads((tmp_path / "docs" / "evidence.json").read_text()) == rows
+
+
+def test_downstream_pairs_each_seed_with_its_bf16_run_and_leaves_unpaired_seeds_out():
+    runs = {
+        "bf16": {0: {"t/acc": 0.50}, 1: {"t/acc": 0.70}, 2: {"t/acc": 0.60}},
+        "nvfp4": {0: {"t/acc": 0.55}, 1: {"t/acc": 0.65}},  # seed 2 not trained
+    }
+    summary = downstream.summarize(runs)
+    row = summary["nvfp4"]["t/acc"]
+    assert row["paired_seeds"] == 2
+    assert row["paired_diff_mean"] == pytest.approx(0.0)  # +0.05 and -0.05
+    assert row["paired_diff_std"] == pytest.approx(math.sqrt(2) * 0.05)
+    assert summary["bf16"]["t/acc"]["mean"] == pytest.approx(0.6)
+    assert "paired_diff_mean" not in summary["bf16"]["t/acc"]
