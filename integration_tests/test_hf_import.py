@@ -25,7 +25,7 @@ def _import(model_dir, **model_keys):
 
     from nvfp4_train.config.run_config import config_from_dict
     from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
-    from nvfp4_train.model.hf_weights import load_hf_params
+    from nvfp4_train.model.hf.weights import load_hf_params
     from nvfp4_train.training.resume import abstract_state
 
     cfg = config_from_dict(

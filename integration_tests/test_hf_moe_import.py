@@ -50,7 +50,7 @@ def _our_routing(graphdef, params, tokens, monkeypatch) -> tuple[np.ndarray, lis
     run eagerly with the router's choices recorded."""
     import jax.numpy as jnp
 
-    from nvfp4_train.model import moe
+    from nvfp4_train.model.moe import layer as moe
     from nvfp4_train.training.step import forward
 
     chosen: list[np.ndarray] = []

@@ -58,7 +58,7 @@ def test_export_rederives_the_recipe_map_training_records(precision, layers):
 
 def test_export_checks_the_moe_classes_training_allows():
     from nvfp4_export.moe_spec import MOE_ARCHITECTURES as EXPORT_MOE
-    from nvfp4_train.model.moe_config import MOE_ARCHITECTURES as TRAIN_MOE
+    from nvfp4_train.model.moe.config import MOE_ARCHITECTURES as TRAIN_MOE
 
     assert EXPORT_MOE == TRAIN_MOE
 

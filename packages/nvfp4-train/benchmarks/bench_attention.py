@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_train.config.run_config import load_config
-from nvfp4_train.model.attention import attention_capability, document_positions
+from nvfp4_train.model.blocks.attention import attention_capability, document_positions
 from nvfp4_train.model.flops import train_flops_per_token
 from nvfp4_train.training.resume import initial_state, run_train_step
 

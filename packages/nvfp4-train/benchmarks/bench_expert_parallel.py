@@ -12,7 +12,7 @@ count, a conditional by its costliest branch (an upper bound). Two dispatch desi
 - `gspmd`: the global dispatch of one device (sort all assignments by expert, one grouped GEMM
   over all experts), partitioned by XLA's SPMD partitioner under the same parameter and batch
   shardings (the expert-parallel path switched off: `model.moe.expert_mesh` patched to None);
-- `shard_map`: `nvfp4_train.model.expert_parallel`, the run's path: all-gather the tokens,
+- `shard_map`: `nvfp4_train.model.moe.expert_parallel`, the run's path: all-gather the tokens,
   each device runs its experts, reduce-scatter the outputs.
 
 Also reported: whether a full expert kernel ([E, d, 2F] or [E, F, d]) is all-gathered (then
@@ -184,7 +184,7 @@ def measure(args) -> dict:
 
     from nvfp4_train.config.run_config import config_from_dict
     from nvfp4_train.mesh.sharding import batch_sharding, make_mesh, tree_shardings
-    from nvfp4_train.model import moe
+    from nvfp4_train.model.moe import layer as moe
     from nvfp4_train.training.resume import initial_state, run_train_step
 
     cfg = config_from_dict(_config(args))

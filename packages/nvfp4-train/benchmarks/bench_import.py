@@ -42,7 +42,7 @@ def rss(field):  # bytes; VmHWM is the peak (reset at exec, unlike ru_maxrss), R
 
 import jax
 from nvfp4_train.config.run_config import config_from_dict
-from nvfp4_train.model.hf_weights import load_hf_params
+from nvfp4_train.model.hf.weights import load_hf_params
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
 baseline = rss("VmRSS")

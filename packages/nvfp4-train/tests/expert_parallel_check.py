@@ -28,8 +28,8 @@ from nvfp4_train.mesh.sharding import (
     tree_shardings,
 )
 from nvfp4_train.model.config import ModelConfig, linear_paths
-from nvfp4_train.model.moe import MoEMLP
-from nvfp4_train.model.moe_config import MoEConfig
+from nvfp4_train.model.moe.config import MoEConfig
+from nvfp4_train.model.moe.layer import MoEMLP
 from nvfp4_train.tree_paths import flat_paths
 
 MOE = MoEConfig(num_experts=4, experts_per_token=2, expert_mlp_dim=32, shared_experts=1,

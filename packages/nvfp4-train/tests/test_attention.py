@@ -24,7 +24,7 @@ from run_steps import initial, train_step_of
 from test_model import attention_reference
 
 import nvfp4_ops.te_attention
-import nvfp4_train.model.attention
+import nvfp4_train.model.blocks.attention
 import nvfp4_train.training.loop
 import nvfp4_train.training.trusted
 from nvfp4_ops.te_attention import GpuFacts
@@ -33,7 +33,7 @@ from nvfp4_train.config.run_config import ConfigError, config_from_dict, upgrade
 from nvfp4_train.data.packing import PackedSequences
 from nvfp4_train.errors import RunError
 from nvfp4_train.mesh.sharding import AXES, activation_constraint, attention_heads_note
-from nvfp4_train.model.attention import (
+from nvfp4_train.model.blocks.attention import (
     CUDNN_FORWARD,
     attention,
     attention_capability,
@@ -268,7 +268,9 @@ def test_the_model_hands_fused_attention_its_operands_through_the_runs_constrain
 ):
     # "chunked" plays a fused kernel; the model must pass q, k, v, the segment ids and the
     # output through constrain("attention", ...) in every block
-    monkeypatch.setattr(nvfp4_train.model.attention, "FUSED_KERNELS", ("te", "cudnn", "chunked"))
+    monkeypatch.setattr(
+        nvfp4_train.model.blocks.attention, "FUSED_KERNELS", ("te", "cudnn", "chunked")
+    )
     graphdefs, state = tiny_model
     seen = []
 
@@ -449,11 +451,11 @@ def test_attention_check_passes_ours_and_catches_a_wrong_or_crashing_kernel(monk
             in report.summary()
         )
     for kernel in (_across_documents, _first_row_documents):
-        monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", kernel)
+        monkeypatch.setattr(nvfp4_train.model.blocks.attention, "fused_attention", kernel)
         report = verify_attention("xla", **shape)
         assert not report.ok and report.summary().startswith("DISAGREES with naive attention")
         assert report.errors["out"] > 0.1, kernel  # a mask or row error is O(1), not rounding
-    monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", _crashing)
+    monkeypatch.setattr(nvfp4_train.model.blocks.attention, "fused_attention", _crashing)
     report = verify_attention("xla", **shape)
     assert not report.ok and "CUDNN_STATUS_EXECUTION_FAILED" in report.summary()
 
@@ -508,7 +510,7 @@ def test_a_run_leaves_out_a_kernel_that_fails_its_check_or_stops_if_strict(
     tmp_path, tiny_config, monkeypatch
 ):
     monkeypatch.setattr(attention_check, "CHECKED", ("xla",))  # as cudnn and te are on a GPU
-    monkeypatch.setattr(nvfp4_train.model.attention, "fused_attention", _across_documents)
+    monkeypatch.setattr(nvfp4_train.model.blocks.attention, "fused_attention", _across_documents)
     with pytest.raises(RunError, match=r"attention 'xla' failed its check .*strict"):
         run(_checked_run_config(tmp_path / "s", tiny_config, verify_backend="strict"),
             stream=io.StringIO())  # fmt: skip

@@ -19,8 +19,8 @@ import safetensors.numpy
 import tokenizers
 
 from nvfp4_train.config.run_config import ConfigError, config_from_dict
-from nvfp4_train.model.hf_config import HFConfigError, model_section
-from nvfp4_train.model.hf_weights import HFImportError, load_hf_params
+from nvfp4_train.model.hf.config import HFConfigError, model_section
+from nvfp4_train.model.hf.weights import HFImportError, load_hf_params
 
 QWEN3 = {
     "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
@@ -305,7 +305,7 @@ def test_weights_are_read_into_the_mesh_sharding(tmp_path):
     script = textwrap.dedent(f"""
         import jax, numpy as np, safetensors.numpy
         from nvfp4_train.config.run_config import config_from_dict
-        from nvfp4_train.model.hf_weights import load_hf_params
+        from nvfp4_train.model.hf.weights import load_hf_params
         from nvfp4_train.training.resume import abstract_state
         from nvfp4_train.mesh.sharding import make_mesh, tree_shardings
         cfg = config_from_dict({{"model": {{"init_from": {str(model_dir)!r}}},

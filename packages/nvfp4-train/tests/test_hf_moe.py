@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from test_hf_import import QWEN3, _canonical, _load, hf_tensors, write_model
 
-from nvfp4_train.model.hf_config import HFConfigError, model_section
-from nvfp4_train.model.hf_weights import HFImportError
+from nvfp4_train.model.hf.config import HFConfigError, model_section
+from nvfp4_train.model.hf.weights import HFImportError
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}  # fmt: skip

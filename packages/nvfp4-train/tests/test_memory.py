@@ -11,7 +11,7 @@ import yaml
 
 from nvfp4_train.cli import main
 from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
-from nvfp4_train.model.attention import cudnn_mask_is_dense
+from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense
 from nvfp4_train.training import memory
 from nvfp4_train.training.memory import GIB, estimate_memory
 from nvfp4_train.training.resume import abstract_state

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.model.attention import naive_attention
+from nvfp4_train.model.blocks.attention import naive_attention
+from nvfp4_train.model.blocks.rope import apply_rope, rope_cos_sin
 from nvfp4_train.model.config import ModelConfig, linear_paths
 from nvfp4_train.model.decoder import Llama
-from nvfp4_train.model.layers import apply_rope, rope_cos_sin
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -18,11 +18,11 @@ from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.config import ModelConfig, block_params, linear_paths, moe_layers
-from nvfp4_train.model.dispatch import combine, dispatch, gather_rows
 from nvfp4_train.model.flops import matmul_params
-from nvfp4_train.model.moe import MoEMLP
-from nvfp4_train.model.moe_config import MoEConfig, expert_capacity, is_moe_layer
-from nvfp4_train.model.routing import expert_counts, load_balancing_loss, route
+from nvfp4_train.model.moe.config import MoEConfig, expert_capacity, is_moe_layer
+from nvfp4_train.model.moe.dispatch import combine, dispatch, gather_rows
+from nvfp4_train.model.moe.layer import MoEMLP
+from nvfp4_train.model.moe.routing import expert_counts, load_balancing_loss, route
 from nvfp4_train.observe.metrics import read_metrics
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.run import run

@@ -13,9 +13,9 @@ from run_steps import initial, probe_of, run_optimizer, train_step_of
 
 import nvfp4_ops
 from nvfp4_train.config.run_config import config_from_dict
+from nvfp4_train.model.blocks.linear import QuantLinear
 from nvfp4_train.model.config import LINEAR_NAMES, linear_paths
 from nvfp4_train.model.decoder import linear_keys, unstacked
-from nvfp4_train.model.layers import QuantLinear
 from nvfp4_train.observe.telemetry import (
     capture_linear_operands,
     linear_recipes,
@@ -135,7 +135,7 @@ def test_dy_matches_a_finite_difference_of_the_loss():
 
 def _plain_call(self, x_NxI, key=None):
     """`QuantLinear.__call__` as it was before capture mode existed (the reference graph)."""
-    from nvfp4_train.model.layers import INPUT_AMAX, _zero_f32
+    from nvfp4_train.model.blocks.linear import INPUT_AMAX, _zero_f32
 
     x = x_NxI.astype(self.dtype)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)

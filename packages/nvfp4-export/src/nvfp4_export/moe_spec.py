@@ -62,7 +62,7 @@ MOE_ARCHITECTURES = {
                   "first_dense_layers": (0,), "bias_update_rate": (0.0,)},
 }  # fmt: skip
 """MoE `model_type` -> the `model.moe` values its class builds (key -> allowed values): the
-training package's table (`nvfp4_train.model.moe_config.MOE_ARCHITECTURES`), repeated here because
+training package's table (`nvfp4_train.model.moe.config.MOE_ARCHITECTURES`), repeated here because
 export never imports training; integration_tests/test_policy_agreement.py keeps them equal."""
 EXPERT_LINEARS = ("mlp.experts.gate_up", "mlp.experts.down")
 """The routed experts' linears of an MoE block (kernels [E, in, out], one amax per expert)."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from nvfp4_train.config.loader import to_yaml
 from nvfp4_train.config.run_config import load_config
 from nvfp4_train.errors import ConfigError, DataError, RunError
-from nvfp4_train.model.hf_config import HFConfigError
+from nvfp4_train.model.hf.config import HFConfigError
 from nvfp4_train.prepare_cli import add_parser as add_prepare_parser
 
 EXIT_USAGE = 2

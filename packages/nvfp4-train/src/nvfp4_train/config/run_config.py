@@ -6,7 +6,7 @@ generically from the dataclass type hints, so a section only has to declare type
 and validate values in `__post_init__`. Keys that moved between versions (`MOVED_KEYS`) are refused
 in a user's config with their new place, and moved in a run directory's saved one (`upgraded`).
 Loading never touches the file system beyond reading the YAML (and, with `model.init_from`, that
-model's `config.json`: `nvfp4_train.model.hf_config`), and never initialises a runtime.
+model's `config.json`: `nvfp4_train.model.hf.config`), and never initialises a runtime.
 
 Example:
     >>> cfg = config_from_dict({"train": {"steps": 20}}, overrides=["precision.recipe=bf16"])
@@ -29,7 +29,7 @@ from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.distributed import DistributedConfig
 from nvfp4_train.mesh.sharding import MeshConfig, check_expert_split
 from nvfp4_train.model.config import ModelConfig
-from nvfp4_train.model.hf_config import HFConfigError, fill_data_section, fill_model_section
+from nvfp4_train.model.hf.config import HFConfigError, fill_data_section, fill_model_section
 from nvfp4_train.observe.health import QuantHealthConfig
 from nvfp4_train.optim.optimizer import OptimizerConfig
 from nvfp4_train.precision.policy import PrecisionConfig

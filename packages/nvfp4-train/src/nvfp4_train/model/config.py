@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_ops
-from nvfp4_train.model.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
-from nvfp4_train.model.moe_config import MoEConfig, check_moe_architecture, is_moe_layer
+from nvfp4_train.model.blocks.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
+from nvfp4_train.model.moe.config import MoEConfig, check_moe_architecture, is_moe_layer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -135,8 +135,8 @@ class ModelConfig:
             builds (`moe_config.MOE_ARCHITECTURES`).
         init_from: a Hugging Face model directory (`config.json`, safetensors weights,
             `tokenizer.json`) to start from instead of a random init. The config loader fills
-            this section from its `config.json` (`nvfp4_train.model.hf_config`); a fresh run reads
-            its weights (`nvfp4_train.model.hf_weights`), a resumed one its checkpoint.
+            this section from its `config.json` (`nvfp4_train.model.hf.config`); a fresh run reads
+            its weights (`nvfp4_train.model.hf.weights`), a resumed one its checkpoint.
         init_std: Std of the normal init; `attn.o` and `mlp.down` use init_std / sqrt(2 * num_layers).
         dtype: Compute dtype: "bfloat16", "float32" or "float16" (parameters stay float32).
         scan_layers: Store each run of >= 2 consecutive blocks with the same recipes stacked and
@@ -147,7 +147,7 @@ class ModelConfig:
             "quantized", "dots" or "dots_no_batch" (`REMAT_POLICIES`). It changes memory and
             time, never the numbers.
         attention: how causal attention is computed ("auto", "naive", "xla", "cudnn", "te",
-            "chunked"; `nvfp4_train.model.attention`). "auto": on an NVIDIA GPU (bfloat16 / float16)
+            "chunked"; `nvfp4_train.model.blocks.attention`). "auto": on an NVIDIA GPU (bfloat16 / float16)
             TransformerEngine's fused attention where TE is installed and the GPU runs it (sm_90+,
             cuDNN >= 9.6, head_dim % 16 == 0), else cudnn; elsewhere "chunked" from
             `attention.AUTO_CHUNKED_FROM` tokens, else "naive". A fused kernel is checked

@@ -12,7 +12,7 @@ Parameter tree (float32 master weights; kernels [in, out]):
     layers.{i}.mlp_norm.scale       [d_model]
     layers.{i}.mlp.gate_up.kernel   [d_model, 2 * mlp_dim]                                gate|up
     layers.{i}.mlp.down.kernel      [mlp_dim, d_model]
-    (an MoE block's `mlp` holds its router and experts instead: `nvfp4_train.model.moe`)
+    (an MoE block's `mlp` holds its router and experts instead: `nvfp4_train.model.moe.layer`)
     final_norm.scale                [d_model]
     lm_head.kernel                  [d_model, vocab]   (absent when tie_embeddings)
 Layer indices `i` are string keys "0", "1", ... in the parameter dict. With `scan_layers`, runs of
@@ -34,8 +34,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.model.attention import document_positions
-from nvfp4_train.model.block import Block
+from nvfp4_train.model.blocks.attention import document_positions
+from nvfp4_train.model.blocks.block import Block
+from nvfp4_train.model.blocks.linear import INPUT_AMAX, sow_input_amax
+from nvfp4_train.model.blocks.norms import RMSNorm
+from nvfp4_train.model.blocks.self_attention import Documents
 from nvfp4_train.model.config import (
     BLOCK_KEYS,
     REMAT_POLICIES,
@@ -44,7 +47,6 @@ from nvfp4_train.model.config import (
     block_params,
     linear_paths,
 )
-from nvfp4_train.model.layers import INPUT_AMAX, Documents, RMSNorm, sow_input_amax
 from nvfp4_train.model.stacking import LayerLayout, runs_of
 
 

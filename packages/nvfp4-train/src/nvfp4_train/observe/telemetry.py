@@ -26,10 +26,16 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.mesh.sharding import activation_constraint
+from nvfp4_train.model.blocks.linear import (
+    OPERAND_W,
+    OPERAND_X,
+    OUTPUT_GRAD,
+    LinearOperand,
+    QuantLinear,
+)
 from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES, ModelConfig
 from nvfp4_train.model.decoder import linear_keys, unstacked
-from nvfp4_train.model.layers import OPERAND_W, OPERAND_X, OUTPUT_GRAD, LinearOperand, QuantLinear
-from nvfp4_train.model.moe import OPERAND_GROUP_SIZES, GroupedLinear
+from nvfp4_train.model.moe.layer import OPERAND_GROUP_SIZES, GroupedLinear
 from nvfp4_train.observe.health import ROLE_FAMILIES
 from nvfp4_train.observe.metrics import EXPERT_TOKENS, expert_path
 from nvfp4_train.tree_paths import flat_paths

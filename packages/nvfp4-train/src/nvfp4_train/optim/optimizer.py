@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from nvfp4_train.model.moe import ROUTER_BIAS
+from nvfp4_train.model.moe.layer import ROUTER_BIAS
 from nvfp4_train.model.stacking import canonical_path, global_norm
 from nvfp4_train.optim.loss_scaling import LossScalingConfig, with_loss_scaling
 from nvfp4_train.tree_paths import key_names

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_train.model.attention import (
+from nvfp4_train.model.blocks.attention import (
     AUTO_CHUNKED_FROM,
     attention,
     unfused_attention,

@@ -13,7 +13,7 @@ from nvfp4_ops import get_recipe
 from nvfp4_train.checkpoint.run_dir import CHECKPOINT_DIR, METRICS_FILE
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.errors import ConfigError, RunError
-from nvfp4_train.model.attention import document_bound, too_many_documents
+from nvfp4_train.model.blocks.attention import document_bound, too_many_documents
 from nvfp4_train.observe.metrics import MetricsFile, format_row
 from nvfp4_train.precision.policy import export_recipe_names, layer_recipes, precision_phases
 from nvfp4_train.precision.schedule import phase_index

@@ -26,7 +26,7 @@ from nvfp4_train.checkpoint.run_dir import CONFIG_FILE, METRICS_FILE, TENSORBOAR
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.errors import RunError
 from nvfp4_train.mesh.sharding import global_batch
-from nvfp4_train.model.attention import document_bound, too_many_documents
+from nvfp4_train.model.blocks.attention import document_bound, too_many_documents
 from nvfp4_train.observe.metrics import RunOutputs, format_row
 from nvfp4_train.precision.schedule import phase_index
 from nvfp4_train.tasks import Task

@@ -56,8 +56,8 @@ from jax.sharding import AbstractMesh
 
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
-from nvfp4_train.model.attention import cudnn_mask_is_dense, run_attention
-from nvfp4_train.model.moe_config import is_moe_layer
+from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense, run_attention
+from nvfp4_train.model.moe.config import is_moe_layer
 from nvfp4_train.precision.policy import precision_phases
 from nvfp4_train.training.moe_memory import mlp_correction
 from nvfp4_train.training.resume import abstract_state

@@ -34,8 +34,8 @@ import math
 import jax.numpy as jnp
 
 from nvfp4_train.mesh_axes import EXPERT_AXIS, TOKEN_AXES
-from nvfp4_train.model.expert_parallel import local_rows
-from nvfp4_train.model.moe_config import expert_capacity, is_moe_layer
+from nvfp4_train.model.moe.config import expert_capacity, is_moe_layer
+from nvfp4_train.model.moe.expert_parallel import local_rows
 
 FP4_BYTES = 9 / 16
 

@@ -26,7 +26,7 @@ from nvfp4_train.config.run_config import Config, upgraded
 from nvfp4_train.data.iterator_state import restore_iterator_state
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import tree_shardings
-from nvfp4_train.model.hf_weights import load_hf_params
+from nvfp4_train.model.hf.weights import load_hf_params
 from nvfp4_train.observe.metrics import truncate_metrics
 from nvfp4_train.optim.optimizer import make_optimizer, make_schedule
 from nvfp4_train.training.step import init_state, make_train_step, model_spec, state_from_params

@@ -30,11 +30,11 @@ from jax.sharding import Mesh
 import nvfp4_ops
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import activation_constraint, kernel_axes, trace_context
+from nvfp4_train.model.blocks.linear import QuantLinear
 from nvfp4_train.model.config import ModelConfig, input_amax_shape, linear_paths
 from nvfp4_train.model.decoder import Llama
-from nvfp4_train.model.layers import QuantLinear
-from nvfp4_train.model.moe_config import MoEConfig
-from nvfp4_train.model.moe_stats import (
+from nvfp4_train.model.moe.config import MoEConfig
+from nvfp4_train.model.moe.stats import (
     auxiliary_objective,
     load_metrics,
     split_sown,

@@ -16,7 +16,7 @@ from nvfp4_ops import get_recipe
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.errors import ConfigError, RunError
 from nvfp4_train.mesh.sharding import BATCH_AXES, activation_constraint
-from nvfp4_train.model.attention import (
+from nvfp4_train.model.blocks.attention import (
     FUSED_KERNELS,
     attention_capability,
     fused_kernels,

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from nvfp4_train.model.config import ARCHITECTURES, ROPE_TYPES, RopeScaling
-from nvfp4_train.model.hf_errors import HFConfigError
-from nvfp4_train.model.hf_moe import (
+from nvfp4_train.model.hf.errors import HFConfigError
+from nvfp4_train.model.hf.moe import (
     MOE_MODEL_TYPES,
     merge_moe,
     moe_section,

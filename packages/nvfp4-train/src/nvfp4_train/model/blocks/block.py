@@ -7,9 +7,11 @@ import jax
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.model.layers import MLP, Attention, Documents, RMSNorm
-from nvfp4_train.model.moe import MoEMLP
-from nvfp4_train.model.moe_config import is_moe_layer
+from nvfp4_train.model.blocks.mlp import MLP
+from nvfp4_train.model.blocks.norms import RMSNorm
+from nvfp4_train.model.blocks.self_attention import Attention, Documents
+from nvfp4_train.model.moe.config import is_moe_layer
+from nvfp4_train.model.moe.layer import MoEMLP
 
 
 class Block(nnx.Module):

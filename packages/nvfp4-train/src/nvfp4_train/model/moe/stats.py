@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from nvfp4_train.model.layers import INPUT_AMAX
-from nvfp4_train.model.moe import MOE_STATS, ROUTER_BIAS
-from nvfp4_train.model.moe_config import MoEConfig
+from nvfp4_train.model.blocks.linear import INPUT_AMAX
+from nvfp4_train.model.moe.config import MoEConfig
+from nvfp4_train.model.moe.layer import MOE_STATS, ROUTER_BIAS
 from nvfp4_train.tree_paths import flat_paths
 
 

@@ -57,8 +57,8 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from nvfp4_train.mesh_axes import AXES, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS, TOKEN_AXES
-from nvfp4_train.model.dispatch import combine, dispatch
-from nvfp4_train.model.routing import Routing
+from nvfp4_train.model.moe.dispatch import combine, dispatch
+from nvfp4_train.model.moe.routing import Routing
 
 ExpertsFn = Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
 """`run(x_RxD, group_sizes [El], kernels, keys, group_offset) -> (y_RxD, per-linear amax [El])`:

@@ -29,9 +29,9 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from nvfp4_train.model.hf_errors import HFConfigError, HFImportError
-from nvfp4_train.model.hf_sources import ZEROS, ExpertSources, Source
-from nvfp4_train.model.moe_config import MoEConfig, is_moe_layer
+from nvfp4_train.model.hf.errors import HFConfigError, HFImportError
+from nvfp4_train.model.hf.sources import ZEROS, ExpertSources, Source
+from nvfp4_train.model.moe.config import MoEConfig, is_moe_layer
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 """The Hugging Face MoE `model_type`s this trainer imports."""

@@ -28,19 +28,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 import nvfp4_ops
-from nvfp4_train.model.dispatch import combine, dispatch, gather_rows
-from nvfp4_train.model.expert_parallel import expert_mesh, sharded_routed_experts
-from nvfp4_train.model.layers import (
-    MLP,
+from nvfp4_train.model.blocks.linear import (
     OPERAND_W,
     OPERAND_X,
     OUTPUT_GRAD,
     LinearOperand,
     sow_input_amax,
-    swiglu,
 )
-from nvfp4_train.model.moe_config import expert_capacity
-from nvfp4_train.model.routing import (
+from nvfp4_train.model.blocks.mlp import MLP, swiglu
+from nvfp4_train.model.moe.config import expert_capacity
+from nvfp4_train.model.moe.dispatch import combine, dispatch, gather_rows
+from nvfp4_train.model.moe.expert_parallel import expert_mesh, sharded_routed_experts
+from nvfp4_train.model.moe.routing import (
     Routing,
     expert_counts,
     load_balancing_loss,

@@ -9,7 +9,7 @@
   with documents as THD sequences (no [L, L] mask); NVIDIA GPUs with TE installed. UNTESTED ON
   HARDWARE: `nvfp4-train run` checks it against "naive" before a run uses it
   (`nvfp4_train.precision.attention_check`).
-- "chunked": `nvfp4_train.model.chunked_attention`, pure-JAX flash attention (online softmax over
+- "chunked": `nvfp4_train.model.blocks.chunked_attention`, pure-JAX flash attention (online softmax over
   [block x block] tiles, recomputing backward); O(L x block) memory on any device.
 - "auto": `resolve_attention`: te where it runs, else cudnn where it runs (not for masked rows
   from `AUTO_CHUNKED_FROM` tokens on where jax gives cudnn a dense mask, `cudnn_mask_is_dense`),
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nvfp4_ops.te_attention import GpuFacts, local_gpu_facts, te_attention, te_attention_support
-from nvfp4_train.model.chunked_attention import chunked_attention
+from nvfp4_train.model.blocks.chunked_attention import chunked_attention
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "naive", "xla", "cudnn", "te", "chunked")
 """The values of `model.attention`."""

@@ -30,10 +30,10 @@ from nvfp4_format.safetensors_file import read_tensor
 from nvfp4_format.safetensors_header import SafetensorsHeader, read_safetensors_header
 from nvfp4_format.safetensors_index import read_safetensors_index
 from nvfp4_train.model.config import ModelConfig
-from nvfp4_train.model.hf_errors import HFImportError
-from nvfp4_train.model.hf_moe import check_experts, moe_sources
-from nvfp4_train.model.hf_sources import ExpertSources, Source
-from nvfp4_train.model.moe_config import is_moe_layer
+from nvfp4_train.model.hf.errors import HFImportError
+from nvfp4_train.model.hf.moe import check_experts, moe_sources
+from nvfp4_train.model.hf.sources import ExpertSources, Source
+from nvfp4_train.model.moe.config import is_moe_layer
 from nvfp4_train.model.stacking import is_stacked, layer_paths
 from nvfp4_train.tree_paths import key_names
 
