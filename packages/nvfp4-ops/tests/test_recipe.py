@@ -18,6 +18,7 @@ PRESETS = [
     "nvfp4-fwd-mxfp8-bwd",
     "nvfp4-per-token",
     "mxfp4",
+    "mxfp8",
     "fp8",
     "bf16",
 ]

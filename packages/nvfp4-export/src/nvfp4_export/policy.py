@@ -10,7 +10,8 @@ of the training package's precision policy (documented in docs/export.md):
     blocks i < first or i >= L - last use "bf16", the others `precision.recipe`
     then each `overrides` entry "REGEX=RECIPE" (re.fullmatch on the path) is applied in order.
 
-A config with a `precision.schedule` (rules per GEMM, layer and step window) is not re-derived:
+A config with a `precision.schedule` (rules per GEMM, layer and step window) or a
+`precision.preset` other than "nvfp4-paper" (the rule above, named) is not re-derived:
 which preset the final weights' forward used depends on the schedule's last phases, which the
 training package resolves and writes into `quant_stats.recipes`; without that item such a
 checkpoint is refused.
@@ -102,6 +103,12 @@ def _rule_recipes(spec: LlamaSpec, precision: dict[str, Any]) -> dict[str, str]:
             f"the config has a precision.schedule ({len(precision['schedule'])} rules), so the "
             "recipe map of its linears must come from the checkpoint's quant_stats item "
             "(quant_stats.recipes, written by nvfp4-train with every checkpoint); this one lacks it"
+        )
+    if precision.get("preset") not in (None, "", "nvfp4-paper"):
+        raise ExportError(
+            f"the config has precision.preset={precision['preset']!r}, so the recipe map of its "
+            "linears must come from the checkpoint's quant_stats item (quant_stats.recipes, "
+            "written by nvfp4-train with every checkpoint); this one lacks it"
         )
     rule_first, rule_last = default_bf16_layers(spec.num_layers)
     first = int(precision.get("bf16_first_layers", -1))

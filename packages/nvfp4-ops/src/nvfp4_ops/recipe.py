@@ -351,6 +351,7 @@ RECIPES: MappingProxyType[str, Recipe] = MappingProxyType(
         ),
         "nvfp4-per-token": Recipe(_ROW_X, _NV_W2D, _NV_G_SR, name="nvfp4-per-token"),
         "mxfp4": Recipe(_MX_RNE, _MX_RNE, _MX_SR, True, name="mxfp4"),
+        "mxfp8": Recipe(_MX8, _MX8, _MX8, False, name="mxfp8"),
         "fp8": Recipe(
             TensorQuant("fp8_e4m3", None),
             TensorQuant("fp8_e4m3", None),
@@ -367,7 +368,9 @@ role with Four Over Six block scales, RHT and SR gradients kept), "nvfp4-fwd-mxf
 Fprop; Dgrad and Wgrad in MXFP8 with TE's rounded-up E8M0 scales, no RHT, as TE's MXFP8 recipe),
 "nvfp4-per-token" (the activations with one FP32 outer scale per row: per token in Fprop, per
 feature of x^T in Wgrad, as TransformerEngine's per-token NVFP4). "mxfp4" uses the OCP scale rule
-with the same stochastic rounding and RHT; "fp8" is per-tensor current scaling (E4M3 forward,
+with the same stochastic rounding and RHT; "mxfp8" is TE's `MXFP8BlockScaling` (E4M3 in 1x32
+blocks along each GEMM's contraction, rounded-up E8M0 scales, every role; what Nemotron 3 Super
+trains its Mamba out_proj in); "fp8" is per-tensor current scaling (E4M3 forward,
 E5M2 gradients); "bf16" quantizes nothing."""
 
 

@@ -27,7 +27,7 @@ from nvfp4_train.config.loader import apply_overrides, build, read_yaml
 from nvfp4_train.data import DataConfig
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.distributed import DistributedConfig
-from nvfp4_train.mesh.sharding import MeshConfig, check_expert_split
+from nvfp4_train.mesh.sharding import MeshConfig, check_expert_split, check_tensor_split
 from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.model.hf.config import HFConfigError, fill_data_section, fill_model_section
 from nvfp4_train.observe.health import QuantHealthConfig
@@ -171,6 +171,7 @@ class Config:
                 f"got {self.train.seq_len}"
             )
         check_expert_split(self.model.moe.num_experts, self.mesh.expert)
+        check_tensor_split(self.model, self.mesh.tensor)
 
 
 MOVED_KEYS = {

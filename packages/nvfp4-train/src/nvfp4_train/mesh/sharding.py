@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh_axes import AXES, EXPERT_AXIS, TOKEN_AXES, fit_axes
+from nvfp4_train.model.config import block_kinds
 from nvfp4_train.model.stacking import is_stacked
 from nvfp4_train.tree_paths import key_names
 
@@ -46,7 +47,12 @@ _RULES = {
     "o": ("tensor", "fsdp"),
     "down": ("tensor", "fsdp"),
     "router": ("fsdp", None),
+    "up": ("fsdp", "tensor"),
+    "in_proj": ("fsdp", None),
+    "out_proj": (None, "fsdp"),
 }
+# Mamba's in_proj / out_proj: d_model over `fsdp` only (the mixer has no tensor parallelism:
+# `check_tensor_split` refuses it); conv1d, A_log, D, dt_bias and the norm are replicated
 # the routed experts' kernels [E, in, out] (`mlp.experts.{gate_up,down}`): experts over `expert`,
 # d_model over `fsdp` (as the dense MLP's), the expert's hidden units whole (never `tensor`)
 _EXPERT_RULES = {
@@ -152,6 +158,17 @@ def check_expert_split(num_experts: int, expert: int) -> None:
         raise ConfigError(
             f"model.moe.num_experts={num_experts} must be a multiple of mesh.expert={expert} "
             "(each expert-parallel device holds num_experts / mesh.expert experts)"
+        )
+
+
+def check_tensor_split(model_cfg, tensor: int) -> None:
+    """ConfigError when `tensor` > 1 and the model has Mamba blocks: the Mamba-2 mixer has no
+    tensor (or sequence) parallelism (its heads would need in_proj split per z/x/B/C/dt part and
+    the scan's state kept per head shard); use fsdp or data instead."""
+    if tensor > 1 and "mamba" in block_kinds(model_cfg):
+        raise ConfigError(
+            f"mesh.tensor={tensor}: the Mamba-2 mixer of model.pattern's M blocks has no tensor "
+            "parallelism; use mesh.fsdp or mesh.data for these devices"
         )
 
 

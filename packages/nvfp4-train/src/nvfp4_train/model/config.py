@@ -22,26 +22,55 @@ import jax.numpy as jnp
 
 import nvfp4_ops
 from nvfp4_train.model.blocks.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
-from nvfp4_train.model.moe.config import MoEConfig, check_moe_architecture, is_moe_layer
+from nvfp4_train.model.blocks.mamba_config import MambaConfig
+from nvfp4_train.model.moe.config import MoEConfig, check_moe_architecture
+from nvfp4_train.model.pattern import pattern_kinds
+from nvfp4_train.model.structure import (  # re-exported: what a config implies about the tree
+    BLOCK_KEYS as BLOCK_KEYS,
+)
+from nvfp4_train.model.structure import (
+    LINEAR_NAMES as LINEAR_NAMES,
+)
+from nvfp4_train.model.structure import (
+    MAMBA_PARAMS as MAMBA_PARAMS,
+)
+from nvfp4_train.model.structure import (
+    MIXER_LINEAR_NAMES as MIXER_LINEAR_NAMES,
+)
+from nvfp4_train.model.structure import (
+    MOE_LINEAR_NAMES as MOE_LINEAR_NAMES,
+)
+from nvfp4_train.model.structure import (
+    block_kinds as block_kinds,
+)
+from nvfp4_train.model.structure import (
+    block_linear_names as block_linear_names,
+)
+from nvfp4_train.model.structure import (
+    block_params as block_params,
+)
+from nvfp4_train.model.structure import (
+    input_amax_shape as input_amax_shape,
+)
+from nvfp4_train.model.structure import (
+    is_moe_block as is_moe_block,
+)
+from nvfp4_train.model.structure import (
+    linear_paths as linear_paths,
+)
+from nvfp4_train.model.structure import (
+    moe_layers as moe_layers,
+)
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
-"""The quantizable linears of a dense block, in the order their SR keys are derived (0..3)."""
-MOE_LINEAR_NAMES = (
-    "attn.qkv",
-    "attn.o",
-    "mlp.experts.gate_up",
-    "mlp.experts.down",
-    "mlp.shared.gate_up",
-    "mlp.shared.down",
-)
-"""The quantizable linears of an MoE block (the shared ones only with `moe.shared_experts`), in
-the order their SR keys are derived (0..5). The router and the shared-expert gate never quantize."""
-BLOCK_KEYS = len(MOE_LINEAR_NAMES)
-"""How many SR keys every block is given (a dense block uses the first four)."""
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
-"""The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`); the
-last three are Mixture-of-Experts classes (`moe_config.MOE_ARCHITECTURES`)."""
+ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "nemotron_h"
+)  # fmt: skip
+"""The Hugging Face `model_type`s this decoder computes (see `ModelConfig.architecture`);
+qwen3_moe, mixtral and qwen2_moe are Mixture-of-Experts classes (`moe.config.MOE_ARCHITECTURES`),
+nemotron_h the hybrid Mamba-Transformer (`HYBRID_ARCHITECTURES`: a `model.pattern`)."""
+HYBRID_ARCHITECTURES = ("nemotron_h",)
+"""The `model.architecture`s whose blocks follow `model.pattern` (one mixer per block)."""
 AUTO_SCAN_LAYERS = 8
 """`scan_layers: auto` scans models of at least this many blocks."""
 _NAMES = jax.checkpoint_policies.save_only_these_names(nvfp4_ops.RESIDUAL_NAME)
@@ -129,10 +158,10 @@ class ModelConfig:
         o_bias: the output projection has a bias (Llama/Qwen 3 `attention_bias`).
         qk_norm: RMSNorm over each head's q and k before RoPE, one [head_dim] scale each (Qwen 3).
         architecture: the Hugging Face `model_type` the model is exported as ("llama",
-            "mistral", "qwen2", "qwen3", and the MoE classes "qwen3_moe", "mixtral",
-            "qwen2_moe"; `ARCHITECTURES`); the bias and norm options must be ones it can express
-            (e.g. qwen2: q/k/v biases and no o bias), and an MoE class needs `moe` blocks it
-            builds (`moe_config.MOE_ARCHITECTURES`).
+            "mistral", "qwen2", "qwen3", the MoE classes "qwen3_moe", "mixtral", "qwen2_moe",
+            and the hybrid "nemotron_h"; `ARCHITECTURES`); the bias and norm options must be
+            ones it can express (e.g. qwen2: q/k/v biases and no o bias), and an MoE class
+            needs `moe` blocks it builds (`moe.config.MOE_ARCHITECTURES`).
         init_from: a Hugging Face model directory (`config.json`, safetensors weights,
             `tokenizer.json`) to start from instead of a random init. The config loader fills
             this section from its `config.json` (`nvfp4_train.model.hf.config`); a fresh run reads
@@ -161,6 +190,13 @@ class ModelConfig:
             most any row of the run's data holds, counted at start-up (a run without documents:
             1). Every training and validation batch is checked against it.
         moe: Mixture-of-Experts blocks (`MoEConfig`; `num_experts: 0`, the default, is dense).
+        pattern: "" (every block attention + MLP), or a hybrid model's blocks, one mixer each
+            (`nvfp4_train.model.pattern`): Nemotron's letters (`M` Mamba-2, `*` attention, `-`
+            MLP, `E` MoE) or a list of kinds, one per block; needs architecture "nemotron_h".
+        mamba: the Mamba-2 mixer of the `M` blocks (`MambaConfig`).
+        rope: rotary position embeddings in attention (Nemotron-H's attention has none).
+        mlp_activation: "swiglu" (gated, `mlp.gate_up`) or "relu2" (Nemotron-H's
+            `down(relu(up x)^2)`, `mlp.up`), for the dense MLPs.
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -183,7 +219,7 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     architecture: Literal[
-        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"
+        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "nemotron_h"
     ] = "llama"
     init_from: str = ""
     tie_embeddings: bool = False
@@ -195,61 +231,15 @@ class ModelConfig:
     attention_block: int = 512
     attention_max_documents: int = 0
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    pattern: str | tuple[str, ...] = ""
+    mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
+    rope: bool = True
+    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
 
     def __post_init__(self):
-        for name in (
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "mlp_dim",
-            "max_seq_len",
-        ):
-            _check(getattr(self, name) > 0, name, "> 0", getattr(self, name))
-        _check(self.vocab_size >= 0, "vocab_size", ">= 0 (0 = take from data)", self.vocab_size)
-        _check(self.head_dim >= 0, "head_dim", ">= 0 (0 = d_model // num_heads)", self.head_dim)
-        _check(self.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}", self.dtype)
-        _check(self.rope_theta > 0, "rope_theta", "> 0", self.rope_theta)
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", "> 0", self.rms_norm_eps)
-        _check(self.init_std > 0, "init_std", "> 0", self.init_std)
-        _check(self.scan_layers in (True, False, "auto"), "scan_layers", "true, false or 'auto'",
-               self.scan_layers)  # fmt: skip
-        _check(self.remat in REMAT_POLICIES, "remat", f"one of {list(REMAT_POLICIES)}", self.remat)
-        _check(self.attention in ATTENTION_IMPLEMENTATIONS, "attention",
-               f"one of {list(ATTENTION_IMPLEMENTATIONS)}", self.attention)  # fmt: skip
-        _check(self.attention_block > 0, "attention_block", "> 0", self.attention_block)
-        _check(self.attention_max_documents >= 0, "attention_max_documents",
-               ">= 0 (0 = one per token)", self.attention_max_documents)  # fmt: skip
-        _check(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
-               self.architecture)  # fmt: skip
+        _check_shape(self)
         _check_architecture(self)
-        _check(
-            self.num_heads % self.num_kv_heads == 0,
-            "num_kv_heads",
-            f"a divisor of num_heads={self.num_heads}",
-            self.num_kv_heads,
-        )
-        if self.head_dim == 0:
-            _check(
-                self.d_model % self.num_heads == 0,
-                "num_heads",
-                f"a divisor of d_model={self.d_model} when head_dim=0",
-                self.num_heads,
-            )
-        hd = self.resolved_head_dim
-        _check(hd % 2 == 0, "head_dim", "even (RoPE rotates pairs)", hd)
-        widths = {
-            "d_model": self.d_model,
-            "mlp_dim": self.mlp_dim,
-            "num_heads * head_dim": self.num_heads * hd,
-            "(num_heads + 2 * num_kv_heads) * head_dim": (self.num_heads + 2 * self.num_kv_heads)
-            * hd,
-        }
-        for name, width in widths.items():
-            _check(width % 16 == 0, name, "a multiple of 16 (NVFP4 blocks are 16 wide)", width)
-        late = [i for i in self.moe.dense_layers if i >= self.num_layers]
-        _check(not late, "moe.dense_layers", f"block indices < num_layers={self.num_layers}",
-               list(self.moe.dense_layers))  # fmt: skip
+        _check_hybrid(self)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -283,10 +273,55 @@ nvfp4-export repeats this table (`nvfp4_export.model_spec.ARCHITECTURE_OPTIONS`)
 configs; integration_tests/test_policy_agreement.py keeps the two equal."""
 
 
+def _check_shape(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the first `model.*` size that is out of range."""
+    for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "max_seq_len"):
+        _check(getattr(cfg, name) > 0, name, "> 0", getattr(cfg, name))
+    _check(cfg.vocab_size >= 0, "vocab_size", ">= 0 (0 = take from data)", cfg.vocab_size)
+    _check(cfg.head_dim >= 0, "head_dim", ">= 0 (0 = d_model // num_heads)", cfg.head_dim)
+    _check(cfg.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}", cfg.dtype)
+    for name in ("rope_theta", "rms_norm_eps", "init_std", "attention_block"):
+        _check(getattr(cfg, name) > 0, name, "> 0", getattr(cfg, name))
+    _check(cfg.scan_layers in (True, False, "auto"), "scan_layers", "true, false or 'auto'",
+           cfg.scan_layers)  # fmt: skip
+    _check(cfg.remat in REMAT_POLICIES, "remat", f"one of {list(REMAT_POLICIES)}", cfg.remat)
+    _check(cfg.attention in ATTENTION_IMPLEMENTATIONS, "attention",
+           f"one of {list(ATTENTION_IMPLEMENTATIONS)}", cfg.attention)  # fmt: skip
+    _check(cfg.attention_max_documents >= 0, "attention_max_documents",
+           ">= 0 (0 = one per token)", cfg.attention_max_documents)  # fmt: skip
+    _check(cfg.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
+           cfg.architecture)  # fmt: skip
+    _check(cfg.mlp_activation in ("swiglu", "relu2"), "mlp_activation", "'swiglu' or 'relu2'",
+           cfg.mlp_activation)  # fmt: skip
+    _check(cfg.num_heads % cfg.num_kv_heads == 0, "num_kv_heads",
+           f"a divisor of num_heads={cfg.num_heads}", cfg.num_kv_heads)  # fmt: skip
+    if cfg.head_dim == 0:
+        _check(cfg.d_model % cfg.num_heads == 0, "num_heads",
+               f"a divisor of d_model={cfg.d_model} when head_dim=0", cfg.num_heads)  # fmt: skip
+    hd = cfg.resolved_head_dim
+    _check(hd % 2 == 0 or not cfg.rope, "head_dim", "even (RoPE rotates pairs)", hd)
+    widths = {
+        "d_model": cfg.d_model,
+        "mlp_dim": cfg.mlp_dim,
+        "num_heads * head_dim": cfg.num_heads * hd,
+        "(num_heads + 2 * num_kv_heads) * head_dim": (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
+    }
+    if "mamba" in block_kinds(cfg):
+        m = cfg.mamba
+        widths |= {"mamba.num_heads * mamba.head_dim": m.inner,
+                   "mamba in_proj width (2 * d_inner + 2 * n_groups * state_dim + num_heads)":
+                   m.in_proj_width}  # fmt: skip
+    for name, width in widths.items():
+        _check(width % 16 == 0, name, "a multiple of 16 (NVFP4 blocks are 16 wide)", width)
+    late = [i for i in cfg.moe.dense_layers if i >= cfg.num_layers]
+    _check(not late, "moe.dense_layers", f"block indices < num_layers={cfg.num_layers}",
+           list(cfg.moe.dense_layers))  # fmt: skip
+
+
 def _check_architecture(cfg: ModelConfig) -> None:
     """Raises ValueError unless `cfg.architecture` can express the bias and norm options."""
     options = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "qk_norm": cfg.qk_norm}
-    allowed = ARCHITECTURE_OPTIONS[cfg.architecture]
+    allowed = ARCHITECTURE_OPTIONS.get(cfg.architecture, ARCHITECTURE_OPTIONS["mistral"])
     if options not in allowed:
         raise ValueError(
             f"model.architecture={cfg.architecture!r} builds {' or '.join(map(str, allowed))}; "
@@ -295,44 +330,29 @@ def _check_architecture(cfg: ModelConfig) -> None:
     check_moe_architecture(cfg.architecture, cfg.moe)
 
 
-def block_linear_names(cfg: ModelConfig, index: int) -> tuple[str, ...]:
-    """The quantizable linears of block `index`, relative to `layers.{index}`, in SR-key order:
-    `LINEAR_NAMES`, or for an MoE block `MOE_LINEAR_NAMES` (without the shared experts when
-    there are none)."""
-    if not is_moe_layer(cfg.moe, index):
-        return LINEAR_NAMES
-    return MOE_LINEAR_NAMES if cfg.moe.shared_experts else MOE_LINEAR_NAMES[:4]
-
-
-def block_params(cfg: ModelConfig, index: int) -> tuple[str, ...]:
-    """Every parameter of block `index`, relative to `layers.{index}`, in tree order."""
-    attn = ["attn.qkv.kernel", "attn.o.kernel"]
-    attn += ["attn.qkv.bias"] * cfg.qkv_bias + ["attn.o.bias"] * cfg.o_bias
-    attn += ["attn.q_norm.scale", "attn.k_norm.scale"] * cfg.qk_norm
-    mlp = ["mlp.gate_up.kernel", "mlp.down.kernel"]
-    if is_moe_layer(cfg.moe, index):
-        mlp = ["mlp.router.kernel", "mlp.router.score_bias", "mlp.experts.gate_up.kernel",
-               "mlp.experts.down.kernel"]  # fmt: skip
-        mlp += ["mlp.shared.gate_up.kernel", "mlp.shared.down.kernel"] * bool(
-            cfg.moe.shared_experts
-        )
-        mlp += ["mlp.shared_gate.kernel"] * cfg.moe.shared_expert_gate
-    return ("attn_norm.scale", *attn, "mlp_norm.scale", *mlp)
-
-
-def linear_paths(cfg: ModelConfig) -> list[str]:
-    """Module paths of every quantizable linear, e.g. `layers.0.attn.qkv`, in model order."""
-    return [
-        f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in block_linear_names(cfg, i)
-    ]
-
-
-def input_amax_shape(cfg: ModelConfig, path: str) -> tuple[int, ...]:
-    """The shape of the input amax a linear reports (`layers.INPUT_AMAX`): a scalar, or one per
-    expert for the routed experts' linears (`layers.{i}.mlp.experts.*`)."""
-    return (cfg.moe.num_experts,) if ".mlp.experts." in path else ()
-
-
-def moe_layers(cfg: ModelConfig) -> list[int]:
-    """The indices of the MoE blocks (none for a dense model)."""
-    return [i for i in range(cfg.num_layers) if is_moe_layer(cfg.moe, i)]
+def _check_hybrid(cfg: ModelConfig) -> None:
+    """Raises ValueError naming the key unless the pattern, the architecture and the sections its
+    blocks read agree: a pattern exactly for a hybrid architecture, one kind per block, MoE
+    settings exactly when it has `E` blocks (and then none of the block-choosing keys)."""
+    hybrid = cfg.architecture in HYBRID_ARCHITECTURES
+    if not cfg.pattern:
+        _check(not hybrid, "pattern", f"set for model.architecture={cfg.architecture!r} (a "
+               "hybrid: one letter per block, e.g. 'M-M*-')", cfg.pattern)  # fmt: skip
+        _check(cfg.rope and cfg.mlp_activation == "swiglu", "pattern",
+               "set to use rope=false or mlp_activation='relu2' (hybrid blocks only)",
+               cfg.pattern)  # fmt: skip
+        return
+    _check(hybrid, "architecture", f"one of {HYBRID_ARCHITECTURES} with a model.pattern",
+           cfg.architecture)  # fmt: skip
+    kinds = pattern_kinds(cfg.pattern)
+    _check(len(kinds) == cfg.num_layers, "pattern",
+           f"one kind per block: num_layers={cfg.num_layers} of them, got {len(kinds)} in",
+           cfg.pattern)  # fmt: skip
+    has_moe = "moe" in kinds
+    _check(has_moe == (cfg.moe.num_experts > 0), "moe.num_experts",
+           "> 0 exactly when model.pattern has MoE blocks (E)", cfg.moe.num_experts)  # fmt: skip
+    for key in ("first_dense_layers", "layer_freq", "dense_layers"):
+        default = getattr(MoEConfig(), key)
+        _check(getattr(cfg.moe, key) == default, f"moe.{key}",
+               f"{default!r} with a model.pattern (the pattern's E letters say which blocks are "
+               "MoE)", getattr(cfg.moe, key))  # fmt: skip

@@ -35,7 +35,7 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.blocks.attention import document_positions
-from nvfp4_train.model.blocks.block import Block
+from nvfp4_train.model.blocks.block import Block, MixerBlock, make_block
 from nvfp4_train.model.blocks.linear import INPUT_AMAX, sow_input_amax
 from nvfp4_train.model.blocks.norms import RMSNorm
 from nvfp4_train.model.blocks.self_attention import Documents
@@ -84,11 +84,11 @@ def _blocks_one_by_one(
     stop: int,
     rngs: nnx.Rngs,
     backend: str | tuple[str, ...],
-) -> Block:
+) -> Block | MixerBlock:
     """Blocks `start` .. `stop - 1` built one after another and stacked along a new leading axis:
     the eager (op-by-op) init, which rounds `init_std * normal` as the unstacked eager init does
     (a compiled scan fuses the product and may round it one ulp apart)."""
-    blocks = [Block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(start, stop)]
+    blocks = [make_block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(start, stop)]
     graphdef, _ = nnx.split(blocks[0])
     states = [nnx.split(block)[1] for block in blocks]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
@@ -101,7 +101,7 @@ def _scanned_blocks(
     stop: int,
     rngs: nnx.Rngs,
     backend: str | tuple[str, ...],
-) -> Block:
+) -> Block | MixerBlock:
     """Blocks `start` .. `stop - 1` (alike: one graph) as ONE Block whose variables have a
     leading layer axis, initialised by a `jax.lax.scan` over the layers, so that the init
     program holds one block whatever the depth. The scan carries the state of `rngs` (every
@@ -114,7 +114,7 @@ def _scanned_blocks(
     def build(state: Any, _: None) -> tuple[Any, Any]:
         layer_rngs = nnx.merge(rngs_graphdef, state)
         graphdef, block_state = nnx.split(
-            Block(cfg, recipes, start, rngs=layer_rngs, backend=backend)
+            make_block(cfg, recipes, start, rngs=layer_rngs, backend=backend)
         )
         graphdefs.append(graphdef)
         return nnx.state(layer_rngs), block_state
@@ -208,7 +208,7 @@ class Llama(nnx.Module):
         build_run = _scanned_blocks if _traced(rngs) else _blocks_one_by_one
         self.layers = nnx.Dict(
             {
-                key: Block(cfg, recipes, start, rngs=rngs, backend=backend)
+                key: make_block(cfg, recipes, start, rngs=rngs, backend=backend)
                 if stop - start == 1
                 else build_run(cfg, recipes, start, stop, rngs, backend)
                 for key, start, stop in self.layout.entries

@@ -43,7 +43,8 @@ class OptimizerConfig:
         eps: Adam epsilon.
         weight_decay: Decoupled weight decay.
         no_decay: Regexes (re.search) on dotted parameter paths such as
-            `layers.0.attn_norm.scale` that get no weight decay.
+            `layers.0.attn_norm.scale` that get no weight decay (by default norms, biases
+            (Mamba's dt_bias too), embeddings, and Mamba's A_log and D, as Mamba-2 trains).
         grad_clip_norm: Global-norm clipping threshold; 0 disables clipping.
         loss_scaling: loss scaling and skip-step on non-finite gradients (`LossScalingConfig`).
 
@@ -64,7 +65,7 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    no_decay: tuple[str, ...] = ("norm", "bias", "embed")
+    no_decay: tuple[str, ...] = ("norm", "bias", "embed", "A_log", r"mamba\.D$")
     grad_clip_norm: float = 1.0
     loss_scaling: LossScalingConfig = dataclasses.field(default_factory=LossScalingConfig)
 

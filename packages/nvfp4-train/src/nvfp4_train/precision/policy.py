@@ -27,7 +27,6 @@ the user's rules follow and win. `precision_phases` resolves them into phases.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import nvfp4_ops
@@ -36,6 +35,15 @@ from nvfp4_train.model.config import ModelConfig, block_linear_names, linear_pat
 from nvfp4_train.model.decoder import layer_layout
 from nvfp4_train.model.stacking import LayerLayout
 from nvfp4_train.model.weight_gather import GATHER_MODES
+from nvfp4_train.precision.presets import (
+    NEVER_QUANTIZED,
+    PRESETS,
+    preset_bf16_layers,
+    preset_policy,
+)
+from nvfp4_train.precision.presets import (  # re-exported: the rule's home was here
+    default_bf16_layers as default_bf16_layers,
+)
 from nvfp4_train.precision.schedule import (
     GEMMS,
     PrecisionPhase,
@@ -103,7 +111,7 @@ class PrecisionConfig:
     Attributes:
         recipe: `nvfp4_ops` preset for the quantized linears ("nvfp4", "nvfp4-no-rht",
             "nvfp4-no-sr", "nvfp4-no-2d", "nvfp4-naive", "nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd",
-            "nvfp4-per-token", "mxfp4", "fp8", "bf16").
+            "nvfp4-per-token", "mxfp4", "mxfp8", "fp8", "bf16").
         backend: which `nvfp4_ops` backend runs the quantized GEMMs: "auto" (TE on sm_100+
             GPUs, falling back per call to "xla" on GPUs and "emulated" elsewhere), "emulated",
             "xla", "te", or a comma-separated order such as "te,emulated".
@@ -130,6 +138,11 @@ class PrecisionConfig:
             16x16 weight tiles with the global tensor scale, the packed FP4 codes and E4M3 scales
             gathered; linears whose recipe cannot use them gather as "compute"). Same bits in
             every mode; see `nvfp4_train.model.weight_gather` and docs/distributed.md.
+        preset: a named per-module, per-layer policy applied before `overrides` (`PRESETS`,
+            `preset_policy`): "nvfp4-paper" (the NVFP4 paper's 12B Nemotron-H: every linear in
+            `recipe` but the first 2 and last 8 of 62 blocks, scaled to the model), or
+            "nemotron-3-super" (Mamba in_proj and the experts in `recipe`, Mamba out_proj
+            MXFP8, attention BF16, the last 15% of blocks BF16; the router is FP32 always).
 
     Example:
         >>> PrecisionConfig(recipe="nvfp4", overrides=("layers\\\\.0\\\\..*=bf16",)).recipe
@@ -145,8 +158,11 @@ class PrecisionConfig:
     bf16_forward_from: int | float | None = None
     schedule: tuple[ScheduleRule, ...] = ()
     gather: str = "master"
+    preset: str = ""
 
     def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"precision.preset must be one of {PRESETS}, got {self.preset!r}")
         if self.gather not in GATHER_MODES:
             raise ValueError(f"precision.gather must be one of {GATHER_MODES}, got {self.gather!r}")
         if self.gather == "quantized" and backend_spec(self.backend) == "te":
@@ -213,30 +229,10 @@ def bf16_forward_start(precision_cfg: PrecisionConfig, total_steps: int) -> int 
     return None if value is None else step_of(value, total_steps)
 
 
-def _round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
-
-
-def default_bf16_layers(num_layers: int) -> tuple[int, int]:
-    """The scaled paper rule: (first, last) blocks kept in BF16 for a model of `num_layers` blocks.
-
-    Example:
-        >>> [default_bf16_layers(n) for n in (1, 2, 4, 12, 32, 62)]
-        [(0, 0), (0, 1), (1, 1), (1, 2), (1, 4), (2, 8)]
-    """
-    first = min(max(_round_half_up(2 * num_layers / 62), 1), 2)
-    last = min(max(_round_half_up(8 * num_layers / 62), 1), 8)
-    while first + last >= num_layers and first + last > 0:
-        if first > 0:
-            first -= 1
-        else:
-            last -= 1
-    return first, last
-
-
 def bf16_layer_range(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> tuple[int, int]:
-    """(first, last) blocks in BF16 after applying the config (explicit counts or the rule)."""
-    rule_first, rule_last = default_bf16_layers(model_cfg.num_layers)
+    """(first, last) blocks in BF16 after applying the config (explicit counts, else the preset's
+    or the scaled rule's)."""
+    rule_first, rule_last = preset_bf16_layers(precision_cfg.preset, model_cfg.num_layers)
     first = rule_first if precision_cfg.bf16_first_layers < 0 else precision_cfg.bf16_first_layers
     last = rule_last if precision_cfg.bf16_last_layers < 0 else precision_cfg.bf16_last_layers
     return min(first, model_cfg.num_layers), min(last, model_cfg.num_layers)
@@ -251,16 +247,33 @@ def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -
         in_bf16 = i < first or i >= n - last
         for linear in block_linear_names(model_cfg, i):
             names[f"layers.{i}.{linear}"] = BF16_RECIPE if in_bf16 else precision_cfg.recipe
+    quantized = [p for p, name in names.items() if name != BF16_RECIPE]
+    for pattern, recipe in map(_parse_override, preset_policy(precision_cfg.preset)):
+        names.update(dict.fromkeys(filter(pattern.fullmatch, quantized), recipe))
     for text in precision_cfg.overrides:
         pattern, recipe = _parse_override(text)
         matched = [path for path in names if pattern.fullmatch(path)]
         if not matched:
-            raise ConfigError(
-                f"precision.overrides entry {text!r} matches no linear; paths look like "
-                f"{linear_paths(model_cfg)[:4]}"
-            )
+            raise ConfigError(_unmatched(text, pattern, model_cfg))
         names.update(dict.fromkeys(matched, recipe))
     return names
+
+
+def _unmatched(text: str, pattern: re.Pattern[str], model_cfg: ModelConfig) -> str:
+    """The error for an override that matches no linear: a module that never quantizes
+    (`NEVER_QUANTIZED`) named as such, else what linear paths look like."""
+    for i in range(model_cfg.num_layers):
+        for module in NEVER_QUANTIZED:
+            if pattern.fullmatch(f"layers.{i}.{module}"):
+                return (
+                    f"precision.overrides entry {text!r} would quantize layers.{i}.{module}, "
+                    "which never quantizes (Mamba's conv, scan and gated norm run in float32, "
+                    "the router and shared-expert gate in FP32); only linears take a recipe"
+                )
+    return (
+        f"precision.overrides entry {text!r} matches no linear; paths look like "
+        f"{linear_paths(model_cfg)[:4]}"
+    )
 
 
 def layer_recipes(

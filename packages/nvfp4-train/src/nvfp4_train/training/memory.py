@@ -57,7 +57,7 @@ from jax.sharding import AbstractMesh
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
 from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense, run_attention
-from nvfp4_train.model.moe.config import is_moe_layer
+from nvfp4_train.model.config import is_moe_block
 from nvfp4_train.precision.policy import precision_phases
 from nvfp4_train.training.moe_memory import mlp_correction
 from nvfp4_train.training.resume import abstract_state
@@ -195,7 +195,7 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
     sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
     tokens = sequences * cfg.train.seq_len
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
-    down = [f"layers.{i}.mlp.{'experts.' * is_moe_layer(cfg.model.moe, i)}down"
+    down = [f"layers.{i}.mlp.{'experts.' * is_moe_block(cfg.model, i)}down"
             for i in range(cfg.model.num_layers)]  # fmt: skip
     quantized = [[phase.recipes[path].quantized for path in down] for phase in phases]
     saved = {

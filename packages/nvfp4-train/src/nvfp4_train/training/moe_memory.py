@@ -34,7 +34,8 @@ import math
 import jax.numpy as jnp
 
 from nvfp4_train.mesh_axes import EXPERT_AXIS, TOKEN_AXES
-from nvfp4_train.model.moe.config import expert_capacity, is_moe_layer
+from nvfp4_train.model.config import is_moe_block
+from nvfp4_train.model.moe.config import expert_capacity
 from nvfp4_train.model.moe.expert_parallel import local_rows
 
 FP4_BYTES = 9 / 16
@@ -73,7 +74,7 @@ def dense_mlp_per_token(cfg, quantized: bool) -> float:
 def mlp_correction(cfg, index: int, quantized: bool, sizes: dict[str, int], tokens: int) -> float:
     """What block `index`'s MLP keeps beyond `memory`'s dense-MLP rows: 0 for a dense block, the
     MoE MLP's bytes less a dense MLP's for an MoE block."""
-    if not is_moe_layer(cfg.model.moe, index):
+    if not is_moe_block(cfg.model, index):
         return 0
     return moe_mlp_bytes(cfg, quantized, sizes, tokens) - tokens * dense_mlp_per_token(
         cfg, quantized

@@ -28,6 +28,7 @@ from nvfp4_train.mesh.sharding import (
     attention_heads_note,
     bytes_per_device,
     check_expert_split,
+    check_tensor_split,
     make_mesh,
 )
 from nvfp4_train.training.comms import check_gather_tiles
@@ -69,6 +70,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     tasks = load_tasks(cfg.eval.tasks)
     mesh = make_mesh(cfg.mesh, jax.devices())
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
+    check_tensor_split(cfg.model, mesh.shape["tensor"])
     check_gather_tiles(cfg, mesh.size)
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, tasks, mesh, run_dir, stream)

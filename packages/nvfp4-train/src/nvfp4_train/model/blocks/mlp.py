@@ -1,4 +1,5 @@
-"""The dense MLP mixer: SwiGLU with one fused gate/up projection."""
+"""The dense MLP mixers: SwiGLU with one fused gate/up projection (`MLP`), and Nemotron-H's
+non-gated squared-ReLU MLP (`Relu2MLP`)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,30 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     and returned in the input's dtype."""
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+class Relu2MLP(nnx.Module):
+    """Nemotron-H's MLP, `down(relu(up x)^2)`: `up.kernel` [d_model, mlp_dim], `down.kernel`
+    [mlp_dim, d_model]; the activation in float32."""
+
+    def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
+                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
+        dtype, out_std = cfg.compute_dtype, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.up = QuantLinear(
+            cfg.d_model, cfg.mlp_dim, recipe=recipes[f"{prefix}.up"], init_std=cfg.init_std,
+            dtype=dtype, rngs=rngs, backend=backend,
+        )  # fmt: skip
+        self.down = QuantLinear(
+            cfg.mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"], init_std=out_std,
+            dtype=dtype, rngs=rngs, backend=backend,
+        )  # fmt: skip
+
+    def __call__(self, x_BxLxD: jax.Array, keys: tuple[jax.Array | None, jax.Array | None]):
+        up = self.up(x_BxLxD, keys[0])
+        return self.down(relu2(up), keys[1])
+
+
+def relu2(x: jax.Array) -> jax.Array:
+    """relu(x)^2 in float32, returned in x's dtype."""
+    r = jax.nn.relu(x.astype(jnp.float32))
+    return (r * r).astype(x.dtype)

@@ -24,7 +24,8 @@ class Attention(nnx.Module):
     `qkv.kernel` is [d_model, (num_heads + 2 * num_kv_heads) * head_dim]: columns hold all q heads,
     then all k heads, then all v heads, each head's `head_dim` columns contiguous (`qkv.bias`
     likewise). With `qk_norm`, q and k are RMS-normalised per head (`q_norm`, `k_norm`, Qwen 3)
-    before RoPE. QK^T, softmax and SV are not quantized (inputs in the compute dtype, float32
+    before RoPE (none with `rope: false`, Nemotron-H: positions come from the Mamba blocks).
+    QK^T, softmax and SV are not quantized (inputs in the compute dtype, float32
     accumulation and softmax); `cfg.attention` picks how they are computed
     (`nvfp4_train.model.blocks.attention`).
     """
@@ -47,7 +48,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
-        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        self.rope, self.rope_theta, self.rope_scaling = cfg.rope, cfg.rope_theta, cfg.rope_scaling
         self.implementation, self.block = cfg.attention, cfg.attention_block
         self.max_documents = cfg.attention_max_documents
 
@@ -71,9 +72,10 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q_BxLxHxK, k_BxLxGxK = self.q_norm(q_BxLxHxK), self.k_norm(k_BxLxGxK)
         segment_ids_BxL, positions = (None, jnp.arange(l)) if documents is None else documents
-        cos, sin = rope_cos_sin(positions, hd, self.rope_theta, self.rope_scaling)
-        q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
-        k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
+        if self.rope:
+            cos, sin = rope_cos_sin(positions, hd, self.rope_theta, self.rope_scaling)
+            q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
+            k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
         out_BxLxHxK = attention(
             q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL,
             implementation=self.implementation, block=self.block,
