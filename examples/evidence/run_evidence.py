@@ -98,9 +98,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
         "the full recipe with one FP32 outer scale per token for the activations",
         ["precision.recipe=nvfp4-per-token"],
     ),
+    "nvfp4-nemotron3": (
+        "Nemotron 3 Super's policy: Mamba out_proj MXFP8, attention BF16, last 15% blocks BF16",
+        ["precision.recipe=nvfp4", "precision.preset=nemotron-3-super"],
+    ),
 }
 MAIN_VARIANTS = (
     "bf16", "nvfp4", "nvfp4-late-bf16", "nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd", "nvfp4-per-token",
+    "nvfp4-nemotron3",
 )  # fmt: skip
 """The variants that get `--seeds` seeds (the others get `--ablation-seeds`)."""
 
