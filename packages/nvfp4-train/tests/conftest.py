@@ -39,7 +39,7 @@ LONGEST_FIRST = (
     "test_scan.py", "test_weight_gather.py", "test_step.py", "test_telemetry.py",
     "test_backend_check.py",
     "test_schedule.py", "test_moe_telemetry.py", "test_safety.py", "test_moe.py",
-    "test_distributed.py", "test_resume.py",
+    "test_distributed.py", "test_resume.py", "test_ssd.py", "test_hybrid.py",
     "test_precision_schedule.py", "test_attention.py", "test_sharding.py",
     "test_run_telemetry.py", "test_cli.py", "test_tasks.py", "test_model.py",
 )  # fmt: skip
