@@ -80,3 +80,37 @@ def test_row_fields_per_device_and_mfu_only_where_the_peak_is_known():
     )
     bf16 = Throughput(10**9, 8, Peak("H100 SXM", 989.5, None), quantized=False)
     assert set(bf16.fields(1e6)) == {"model_tflops_per_device", "mfu"}
+
+
+def test_a_hybrid_pattern_counts_each_block_by_its_kind():
+    """Hand count of "M*-E": Mamba (in_proj, out_proj, conv, SSD), attention, relu2 MLP, MoE."""
+    mamba = {"num_heads": 16, "head_dim": 16, "state_dim": 32, "n_groups": 2, "chunk_size": 64,
+             "conv_kernel": 4}  # fmt: skip
+    moe = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64}
+    cfg = run_config(architecture="nemotron_h", pattern="M*-E", num_layers=4, rope=False,
+                     mlp_activation="relu2", mamba=mamba, moe=moe).model  # fmt: skip
+    d, f, v, length = 128, 256, 96, 128
+    h, p, n, g, q, k = 16, 16, 32, 2, 64, 4
+    inner, conv = h * p, h * p + 2 * g * n
+    in_proj = 2 * inner + 2 * g * n + h
+    attention = d * (2 + 2 * 1) * 64 + 2 * 64 * d
+    n_matmul = (d * in_proj + inner * d) + attention + 2 * d * f + (3 * d * 2 * 64 + d * 4)
+    assert matmul_params(cfg) == n_matmul + d * v
+    ssd = 2 * conv * k + 2 * q * (g * n + h * p) + 2 * h * p * n + 2 * h * p * n / q + 2 * h * p * n
+    expected = 6 * (n_matmul + d * v) + 6 * 2 * 64 * length + 3 * ssd
+    assert train_flops_per_token(cfg, seq_len=length) == int(expected)
+    _, state = abstract_state(
+        run_config(
+            architecture="nemotron_h",
+            pattern="M*-",
+            num_layers=3,
+            rope=False,
+            mlp_activation="relu2",
+            mamba=mamba,
+        )
+    )
+    kernels = sum(x.size for p_, x in flat_paths(state.params).items()
+                  if p_.endswith("kernel") and "conv1d" not in p_)  # fmt: skip
+    dense = run_config(architecture="nemotron_h", pattern="M*-", num_layers=3, rope=False,
+                       mlp_activation="relu2", mamba=mamba).model  # fmt: skip
+    assert matmul_params(dense) == kernels  # untied: the head's kernel is the D * V

@@ -213,3 +213,43 @@ def test_the_qwen3_moe_config_estimate_is_the_one_its_comment_states():
     gib = {k: round(getattr(estimate, k) / GIB, 1)
            for k in ("parameters", "optimizer", "activations", "transient", "total")}  # fmt: skip
     assert gib == QWEN3_GIB
+
+
+def hybrid(remat="none", seq_len=64, chunk=16, **model):
+    mamba = {"num_heads": 16, "head_dim": 8, "state_dim": 16, "n_groups": 2, "chunk_size": chunk}
+    return config_from_dict(
+        {"model": {**MODEL, "architecture": "nemotron_h", "pattern": "M*-M", "rope": False,
+                   "mlp_activation": "relu2", "remat": remat, "max_seq_len": 256, "mamba": mamba,
+                   **model},
+         "train": {"batch_size": 4, "seq_len": seq_len}}
+    )  # fmt: skip
+
+
+def test_the_tiny_hybrid_estimate_runs_and_names_the_scan_buffers(capsys):
+    path = REPO / "examples" / "configs" / "tiny-hybrid.yaml"
+    cfg = load_config(path, ["model.vocab_size=257"])
+    estimate = estimate_memory(cfg, 1)
+    assert estimate.activations > 0
+    text = memory.format_estimate(estimate)
+    assert "chunked SSD scans" in text and "decay and segment sums [B, C, G, R, Q, Q]" in text
+
+
+def test_the_mamba_scan_buffers_grow_linearly_with_seq_len_and_chunk_size():
+    def buffers(**kw):
+        return dict(estimate_memory(hybrid(**kw), 1).scan_buffers)
+
+    decay = "decay and segment sums [B, C, G, R, Q, Q]"
+    states = "chunk states [B, chunks, H, P, N]"
+    base = buffers()  # 4 sequences x 64 tokens, chunk 16, two Mamba blocks
+    tokens, h, q, g, p, n = 4 * 64, 16, 16, 2, 8, 16
+    assert base[decay] == 2 * tokens * 2 * h * q * 4  # 2 blocks x 2 H Q float32 per token
+    assert base["scores C B^T [B, C, G, Q, Q]"] == 2 * tokens * g * q * 4
+    assert base[states] == 2 * (tokens // q) * h * p * n * 4
+    longer, wider = buffers(seq_len=128), buffers(chunk=32)
+    assert longer[decay] == 2 * base[decay] and longer[states] == 2 * base[states]
+    assert wider[decay] == 2 * base[decay] and wider[states] == base[states] // 2
+    assert not dict(estimate_memory(hybrid("quantized"), 1).scan_buffers)
+    kept = [
+        estimate_memory(hybrid(r), 1).activations for r in ("none", "dots", "quantized", "full")
+    ]
+    assert kept == sorted(kept, reverse=True) and kept[-1] > 0

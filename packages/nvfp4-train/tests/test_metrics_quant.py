@@ -86,6 +86,18 @@ def test_tensorboard_writes_quant_scalars(tmp_path):
     ]  # fmt: skip
 
 
+def test_a_hybrid_rows_ssm_health_goes_to_the_row_and_tensorboard(tmp_path):
+    ssm = {"layers.0": {"dt_min": np.float32(0.5), "state_norm": np.float32(2.0)}}
+    row = quant_row(3, {"layers.0.mamba.in_proj": {"fprop_x": {"amax": 1.0}}}, ssm)
+    assert row["ssm"] == {"layers.0": {"dt_min": 0.5, "state_norm": 2.0}}
+    assert "ssm" not in quant_row(3, {}, {})  # no Mamba blocks: no field
+    board = TensorBoard(tmp_path)
+    board.write(row)
+    board.close()
+    assert ("ssm/layers.0/dt_min", 3, 0.5) in read_scalars(tmp_path)
+    assert ("ssm/layers.0/state_norm", 3, 2.0) in read_scalars(tmp_path)
+
+
 def test_tensorboard_tags_of_an_expert_have_no_brackets(tmp_path):
     board = TensorBoard(tmp_path)
     expert = {"fprop_x": {"amax": 1.5, "tokens": 7}, "fprop_w": {"amax": 0.5}}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nvfp4_train.cli import main
-from nvfp4_train.observe.plot import plot_quant, plot_runs, quant_grid
+from nvfp4_train.observe.plot import plot_quant, plot_runs, quant_grid, row_label, run_pattern
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PATHS = ["layers.1.attn.qkv", "layers.1.mlp.down", "layers.10.attn.o", "layers.2.mlp.gate_up"]
@@ -126,3 +126,29 @@ def test_cli_plot_quant_user_errors(tmp_path, capsys, extra, needle):
     assert main(["plot", *(a.format(**values) for a in extra)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_plot_quant_draws_a_hybrid_run_with_block_letters(tmp_path, monkeypatch):
+    run = tmp_path / "hybrid"
+    run.mkdir()
+    (run / "config.yaml").write_text('model:\n  pattern: "M*-"\nprecision:\n  recipe: nvfp4\n')
+    names = ["0.mamba.in_proj", "0.mamba.out_proj", "1.attn.qkv", "1.attn.o", "2.mlp.up",
+             "2.mlp.down"]  # fmt: skip
+    stats = {"fprop_x": {"rel_error": 0.1}, "wgrad_dy": {"rel_error": 0.12}}
+    rows = [{"step": s, "quant": {f"layers.{n}": stats for n in reversed(names)},
+             "ssm": {"layers.0": {"dt_min": 0.01, "dt_max": 0.1, "dt_mean": 0.05,
+                                  "state_norm": 0.3}}} for s in (2, 4)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths, _, _ = quant_grid(rows, "rel_error")
+    assert paths == [f"layers.{n}" for n in names]  # model order across the block kinds
+    assert [row_label(p, run_pattern(run)) for p in paths[:3]] == ["0 M in_proj", "0 M out_proj",
+                                                                   "1 * qkv"]  # fmt: skip
+    labels = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.set_yticks
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks",
+                        lambda self, ticks, text=None, **kw: labels.append(text)
+                        or original(self, ticks, text, **kw))  # fmt: skip
+    assert plot_quant(run, tmp_path / "h.png").read_bytes().startswith(PNG_MAGIC)
+    assert "2 - up" in labels[0] and "layers.2.mlp.up" not in labels[0]

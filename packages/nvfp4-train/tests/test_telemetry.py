@@ -14,11 +14,14 @@ from run_steps import initial, probe_of, run_optimizer, train_step_of
 import nvfp4_ops
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.model.blocks.linear import QuantLinear
-from nvfp4_train.model.config import LINEAR_NAMES, linear_paths
+from nvfp4_train.model.blocks.mamba import SSM_STATS
+from nvfp4_train.model.config import LINEAR_NAMES, block_linear_names, linear_paths
 from nvfp4_train.model.decoder import linear_keys, unstacked
+from nvfp4_train.model.structure import LINEAR_ORDER
 from nvfp4_train.observe.telemetry import (
     capture_linear_operands,
     linear_recipes,
+    make_telemetry_probe,
 )
 from nvfp4_train.precision.policy import run_layout
 from nvfp4_train.training.step import forward_with_amax, step_key
@@ -275,3 +278,48 @@ def test_linear_recipes_lists_quantized_linears_in_model_order():
     recipes = linear_recipes(graphdef, state.params)
     assert list(recipes) == [p for p in linear_paths(cfg.model) if p.startswith("layers.1")]
     assert all(r == nvfp4_ops.get_recipe("nvfp4") for r in recipes.values())
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+
+def hybrid_cfg(pattern: str, scan: bool = False, **model):
+    """A tiny hybrid model (Mamba, relu2 MLP, attention), every linear NVFP4."""
+    return config_from_dict(
+        {
+            "model": {
+                "vocab_size": 64, "d_model": 32, "num_layers": len(pattern), "num_heads": 2,
+                "num_kv_heads": 1, "mlp_dim": 64, "max_seq_len": 16, "architecture": "nemotron_h",
+                "pattern": pattern, "mlp_activation": "relu2", "rope": False, "scan_layers": scan,
+                "mamba": {"num_heads": 16, "head_dim": 4, "state_dim": 8, "n_groups": 1,
+                          "chunk_size": 8},
+                **model,
+            },
+            "precision": {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0},
+            "train": {"steps": 4, "seed": 3, "batch_size": 4, "seq_len": 16},
+        }
+    )  # fmt: skip
+
+
+def test_hybrid_probe_covers_mamba_and_relu2_linears_and_reports_ssm_per_layer():
+    cfg = hybrid_cfg("MM-", scan=True)  # the two Mamba blocks stacked and scanned
+    graphdef, state = initial(cfg)
+    probe = make_telemetry_probe(graphdef, cfg.model)
+    out = jax.jit(probe)(state.params, random_batch(), step_key(cfg.train.seed, 0))
+    assert sorted(out["quant"]) == sorted(linear_paths(cfg.model))
+    assert "layers.0.mamba.in_proj" in out["quant"] and "layers.2.mlp.up" in out["quant"]
+    assert list(out["ssm"]) == ["layers.0", "layers.1"]  # per layer, stacked or not
+    for stats in out["ssm"].values():
+        assert sorted(stats) == sorted(SSM_STATS)
+        values = {k: float(v) for k, v in stats.items()}
+        assert 0 < values["dt_min"] <= values["dt_mean"] <= values["dt_max"]
+        assert values["state_norm"] > 0
+    assert float(out["ssm"]["layers.0"]["dt_max"]) != float(out["ssm"]["layers.1"]["dt_max"])
+
+
+def test_linear_order_is_every_block_kinds_sr_key_order():
+    moe = {"num_experts": 4, "expert_mlp_dim": 32, "shared_experts": 1}
+    for cfg in (tiny_cfg(), hybrid_cfg("M*-E", moe=moe)):
+        for i in range(cfg.model.num_layers):
+            names = block_linear_names(cfg.model, i)
+            assert sorted(names, key=LINEAR_ORDER.index) == list(names)

@@ -17,6 +17,19 @@ Training FLOPs per token (`train_flops_per_token`; every metrics row, benchmark 
   document masks (which skip more) and recomputation (`model.remat`, `chunked`'s backward) do not
   change it.
 
+- Hybrid models (`model.pattern`) count each block by its kind: an attention block its q, k, v, o
+  weights and the attention term above; an MLP block `3 * D * F` (SwiGLU) or `2 * D * F` (relu2:
+  up, down); an MoE block as above; a Mamba block its in_proj and out_proj weights
+  `D * W + I * D` (W = in_proj width, I = d_inner = H * P) in N, plus (`mamba_flops_per_token`)
+  3 x the forward of the depthwise conv and the chunked SSD (Mamba-2 paper, SSD algorithm, chunk
+  Q, state N, G groups, H heads of width P; as computed, full Q x Q blocks):
+
+      conv          2 * X * K                    (X = conv channels, K = conv_kernel)
+      intra-chunk   2 * Q * (G * N + H * P)      (C B^T per group, then (decay * C B^T) (dt x))
+      chunk states  2 * H * P * N                (B^T (dt x) per head)
+      state passing 2 * H * P * N / Q            (one state update per chunk)
+      output        2 * H * P * N                (C h per head)
+
 `model_tflops_per_device` = train FLOPs per token x tokens/s / devices / 1e12. MFU divides it by
 the device's dense (no sparsity) peak: `PEAKS`, per GPU, from NVIDIA's datasheets; `mfu` against
 the BF16 peak (the usual convention), `mfu_fp4` against the FP4 peak for runs that quantize
@@ -35,7 +48,7 @@ Example:
 
 import dataclasses
 
-from nvfp4_train.model.config import moe_layers
+from nvfp4_train.model.config import block_kinds, is_moe_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,20 +87,45 @@ def device_peak(device_kind: str) -> Peak | None:
 def matmul_params(cfg) -> int:
     """N: the weights of the model's matrix multiplications a token goes through (`ModelConfig`,
     vocab_size set): in an MoE block its `experts_per_token` routed experts, the shared experts
-    and the router (the active parameters), not every expert."""
+    and the router (the active parameters), not every expert; a hybrid model's blocks by kind."""
+    return sum(_block_params(cfg, kind, i) for i, kind in enumerate(block_kinds(cfg))) + (
+        cfg.d_model * cfg.vocab_size
+    )
+
+
+def _block_params(cfg, kind: str, index: int) -> int:
+    """The matmul weights a token goes through in block `index` of kind `kind`."""
     d, k = cfg.d_model, cfg.resolved_head_dim
     attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k + cfg.num_heads * k * d
-    moe, moe_blocks = cfg.moe, len(moe_layers(cfg))
+    moe = cfg.moe
     routed = moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim
-    mlp = (cfg.num_layers - moe_blocks) * 3 * d * cfg.mlp_dim
-    mlp += moe_blocks * (3 * d * routed + d * moe.num_experts + d * moe.shared_expert_gate)
-    return cfg.num_layers * attention + mlp + d * cfg.vocab_size
+    moe_mlp = 3 * d * routed + d * moe.num_experts + d * moe.shared_expert_gate
+    if kind == "mamba":
+        return d * cfg.mamba.in_proj_width + cfg.mamba.inner * d
+    if kind == "attention":
+        return attention
+    if kind == "moe" or (kind == "llama" and is_moe_block(cfg, index)):
+        return moe_mlp + (attention if kind == "llama" else 0)
+    dense = (2 if kind == "mlp" and cfg.mlp_activation == "relu2" else 3) * d * cfg.mlp_dim
+    return dense + (attention if kind == "llama" else 0)
+
+
+def mamba_flops_per_token(cfg) -> float:
+    """Forward FLOPs per token of one Mamba block beyond its in_proj / out_proj GEMMs: the conv
+    and the chunked SSD (module docstring)."""
+    m = cfg.mamba
+    h, p, n, g, q = m.num_heads, m.head_dim, m.state_dim, m.n_groups, m.chunk_size
+    conv = 2 * m.conv_dim * m.conv_kernel
+    return conv + 2 * q * (g * n + h * p) + 4 * h * p * n + 2 * h * p * n / q
 
 
 def train_flops_per_token(cfg, *, seq_len: int) -> int:
     """FLOPs of one training step per token (forward and backward), see the module docstring."""
-    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
-    return 6 * matmul_params(cfg) + attention
+    kinds = block_kinds(cfg)
+    attention_blocks = sum(kind in ("llama", "attention") for kind in kinds)
+    attention = 6 * attention_blocks * cfg.num_heads * cfg.resolved_head_dim * seq_len
+    mamba = 3 * kinds.count("mamba") * mamba_flops_per_token(cfg) if "mamba" in kinds else 0
+    return int(6 * matmul_params(cfg) + attention + mamba)
 
 
 @dataclasses.dataclass(frozen=True)

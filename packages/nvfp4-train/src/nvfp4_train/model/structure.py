@@ -41,6 +41,10 @@ MIXER_LINEAR_NAMES = {
 }
 """A hybrid block's quantizable linears by kind, in SR-key order (a relu2 MLP has `mlp.up`
 instead of `mlp.gate_up`; an MoE block's shared experts only with `moe.shared_experts`)."""
+LINEAR_ORDER = ("mamba.in_proj", "mamba.out_proj", *LINEAR_NAMES[:2], "mlp.gate_up", "mlp.up",
+                "mlp.down", *MOE_LINEAR_NAMES[2:])  # fmt: skip
+"""Every name a block's linear can have, in an order every block's `block_linear_names` keeps:
+sorting by it puts a block's linears in SR-key order without the config (`linear_order`)."""
 
 
 def block_kinds(cfg) -> tuple[str, ...]:
@@ -114,6 +118,19 @@ def linear_paths(cfg) -> list[str]:
     return [
         f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in block_linear_names(cfg, i)
     ]
+
+
+def linear_order(path: str) -> tuple[int, int]:
+    """Sort key of a linear path `layers.{i}.{name}`: (i, the name's place in `LINEAR_ORDER`),
+    so sorted paths come in model order (unknown names last in their block).
+
+    Example:
+        >>> sorted(["layers.1.attn.o", "layers.0.mamba.out_proj", "layers.0.mamba.in_proj"],
+        ...        key=linear_order)
+        ['layers.0.mamba.in_proj', 'layers.0.mamba.out_proj', 'layers.1.attn.o']
+    """
+    _, index, name = path.split(".", 2)
+    return int(index), LINEAR_ORDER.index(name) if name in LINEAR_ORDER else len(LINEAR_ORDER)
 
 
 def input_amax_shape(cfg, path: str) -> tuple[int, ...]:

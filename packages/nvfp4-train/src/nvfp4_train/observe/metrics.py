@@ -8,7 +8,8 @@ rows with `step`, `val_loss` and `source: "eval"`. A model with MoE blocks adds 
 `z_loss`, `max_load` and `moe: {block: {load: [share per expert], max_load, dropped, entropy,
 aux_loss, z_loss}}` to its training rows (`summarize_moe`). With `logging.quant_stats_every`, telemetry
 rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`; one path per routed
-expert, `expert_path`) sit between them; readers pick rows by the keys they need.
+expert, `expert_path`; a hybrid model's rows add each Mamba block's SSM health, `ssm: {block:
+{dt_min, dt_max, dt_mean, state_norm}}`) sit between them; readers pick rows by the keys they need.
 
 Example:
     >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
@@ -162,17 +163,28 @@ def _host_role(values: Mapping[str, Any]) -> dict[str, Any] | None:
     return {s: int(v) if s == EXPERT_TOKENS else _host_float(v) for s, v in values.items()}
 
 
-def quant_row(step: int, stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+def quant_row(
+    step: int,
+    stats: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    ssm: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The metrics row of one telemetry probe: `{"step": step, "quant": {path: {role: {stat:
     float}}}}`, from the probe's output (device or host scalars; None stays None). An expert's
     x and dy roles carry `EXPERT_TOKENS` (an int); an expert without tokens has none of them
-    (its weight roles only), so no empty statistic reaches a reader or the health checks."""
+    (its weight roles only), so no empty statistic reaches a reader or the health checks. A model
+    with Mamba blocks adds `"ssm": {"layers.{i}": {dt_min, dt_max, dt_mean, state_norm}}`.
+
+    Example:
+        >>> quant_row(4, {}, {"layers.0": {"dt_min": 0.5}})
+        {'step': 4, 'quant': {}, 'ssm': {'layers.0': {'dt_min': 0.5}}}
+    """
+    ssm_row = {b: {k: _host_float(v) for k, v in st.items()} for b, st in (ssm or {}).items()}
     quant = {}
     for path, roles in stats.items():
         host = {role: _host_role(values) for role, values in roles.items()}
         if kept := {role: values for role, values in host.items() if values is not None}:
             quant[path] = kept
-    return {"step": int(step), "quant": quant}
+    return {"step": int(step), "quant": quant} | ({"ssm": ssm_row} if ssm_row else {})
 
 
 def _worst(quant: Mapping[str, Any], stat: str) -> tuple[float, str, str] | None:
@@ -297,19 +309,21 @@ class TensorBoard:
 
     def write(self, row: Mapping[str, Any]) -> None:
         """Adds every numeric field but `step` as a scalar at `row['step']`; an MoE row's block
-        statistics as `moe/<block>/<stat>` (`moe/<block>/load/<expert>`); a telemetry row's
+        statistics as `moe/<block>/<stat>` (`moe/<block>/load/<expert>`), a telemetry row's
+        SSM statistics as `ssm/<block>/<stat>`; a telemetry row's
         values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped; an expert's
         `path[e]` as `path/e`, TensorBoard's tags allowing no brackets)."""
         step = int(row["step"])
         for key, value in row.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self._writer.add_scalar(_tensorboard_tag(key), value, step)
-        for block, stats in row.get("moe", {}).items():
+        for group, block, stats in _block_stats(row):
             for stat, value in stats.items():
                 values = value if isinstance(value, list) else [value]
                 for e, v in enumerate(values):
-                    name = f"moe/{block}/{stat}" + (f"/{e}" if isinstance(value, list) else "")
-                    self._writer.add_scalar(name, v, step)
+                    name = f"{group}/{block}/{stat}" + (f"/{e}" if isinstance(value, list) else "")
+                    if v is not None:
+                        self._writer.add_scalar(name, v, step)
         for path, roles in row.get("quant", {}).items():
             name = path[:-1].replace("[", "/") if path.endswith("]") else path
             for role, values in roles.items():
@@ -321,6 +335,13 @@ class TensorBoard:
     def close(self) -> None:
         """Flushes and closes the event file."""
         self._writer.close()
+
+
+def _block_stats(row: Mapping[str, Any]):
+    """(group, block, {stat: value}) of a row's per-block `moe` and `ssm` statistics."""
+    for group in ("moe", "ssm"):
+        for block, stats in row.get(group, {}).items():
+            yield group, block, stats
 
 
 # --------------------------------------------------------------------------- progress

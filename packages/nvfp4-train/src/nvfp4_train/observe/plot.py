@@ -16,7 +16,8 @@ import numpy as np
 import yaml
 
 from nvfp4_train.errors import ConfigError, DataError
-from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES
+from nvfp4_train.model.pattern import pattern_kinds, pattern_letters
+from nvfp4_train.model.structure import LINEAR_ORDER
 from nvfp4_train.observe.metrics import read_metrics
 
 QUANT_STATS = ("amax", "underflow", "saturation", "rel_error")
@@ -115,8 +116,8 @@ def plot_runs(
 
 def _model_order(path: str) -> tuple[int, int, int, str]:
     """Sort key of `layers.{i}.{name}` (or an expert's `layers.{i}.{name}[{e}]`): layer index,
-    then the name's place in its block's linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an
-    MoE block), then the expert."""
+    then the name's place in its block's linears (`structure.LINEAR_ORDER`, which every block
+    kind's linears follow), then the expert."""
     expert = -1
     if path.endswith("]") and "[" in path:
         path_only, index = path[:-1].rsplit("[", 1)
@@ -125,8 +126,35 @@ def _model_order(path: str) -> tuple[int, int, int, str]:
     parts = path.split(".", 2)
     index = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
     name = parts[-1]
-    names = LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES
-    return index, names.index(name) if name in names else len(names), expert, path
+    place = LINEAR_ORDER.index(name) if name in LINEAR_ORDER else len(LINEAR_ORDER)
+    return index, place, expert, path
+
+
+def run_pattern(run_dir: str | Path) -> str:
+    """The run's `model.pattern` as Nemotron's letters (`M`, `*`, `-`, `E` per block), or "" for
+    a Llama-style run or a run without a readable config."""
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+        pattern = cfg["model"]["pattern"]
+        return pattern_letters(pattern_kinds(pattern)) if pattern else ""
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return ""
+
+
+def row_label(path: str, pattern: str) -> str:
+    """A heat-map row's label: the path, or with a hybrid `pattern` the block index, its letter
+    and the linear's name within its mixer.
+
+    Example:
+        >>> row_label("layers.3.mamba.in_proj", "M*MM"), row_label("layers.1.attn.qkv", "M*")
+        ('3 M in_proj', '1 * qkv')
+        >>> row_label("layers.1.attn.qkv", "")
+        'layers.1.attn.qkv'
+    """
+    parts = path.split(".", 3)
+    if not pattern or len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) >= len(pattern):
+        return path
+    return f"{parts[1]} {pattern[int(parts[1])]} {parts[3]}"
 
 
 def quant_grid(
@@ -184,7 +212,8 @@ def _tick_positions(count: int, most: int) -> np.ndarray:
 
 def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_error") -> Path:
     """Heat maps of one telemetry statistic: rows = quantized linears in model order, columns =
-    logged steps, one panel per GEMM operand role, each with its colour bar.
+    logged steps, one panel per GEMM operand role, each with its colour bar. A hybrid run's rows
+    are labelled by block, its pattern letter and the linear (`row_label`: `3 M in_proj`).
 
     Args:
         run_dir: a run directory whose `metrics.jsonl` has telemetry rows
@@ -210,6 +239,7 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
     if not path.is_file():
         raise DataError(f"run_dir: {str(run_dir)!r} has no metrics.jsonl")
     paths, steps, grids = quant_grid(read_metrics(path), stat)
+    labels = [row_label(p, run_pattern(run_dir)) for p in paths]
     if not grids:
         raise DataError(
             f"run_dir: {str(path)!r} has no quantization telemetry rows; train with "
@@ -228,7 +258,7 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
                           cmap=cmap, norm=norm)  # fmt: skip
         ax.set_title(role)
         ys, xs = _tick_positions(len(paths), 40), _tick_positions(len(steps), 8)
-        ax.set_yticks(ys, [paths[i] for i in ys], fontsize=7)
+        ax.set_yticks(ys, [labels[i] for i in ys], fontsize=7)
         ax.set_xticks(xs, [str(steps[i]) for i in xs], fontsize=7)
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(grids) :]:

@@ -33,9 +33,11 @@ from nvfp4_train.model.blocks.linear import (
     LinearOperand,
     QuantLinear,
 )
-from nvfp4_train.model.config import LINEAR_NAMES, MOE_LINEAR_NAMES, ModelConfig
+from nvfp4_train.model.blocks.mamba import SSM_STATS
+from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.model.decoder import linear_keys, unstacked
 from nvfp4_train.model.moe.layer import OPERAND_GROUP_SIZES, GroupedLinear
+from nvfp4_train.model.structure import linear_order
 from nvfp4_train.observe.health import ROLE_FAMILIES
 from nvfp4_train.observe.metrics import EXPERT_TOKENS, expert_path
 from nvfp4_train.tree_paths import flat_paths
@@ -46,6 +48,8 @@ Operands = tuple[jax.Array, ...]
 QuantStats = dict[str, dict[str, dict[str, jax.Array]]]
 """{linear path: {role: {stat: float32 scalar}}}, roles and stats as `nvfp4_ops.gemm_operand_stats`;
 an expert's path is `expert_path(path, e)` (see `expert_stats`)."""
+SsmStats = dict[str, dict[str, jax.Array]]
+"""{`layers.{i}`: {stat: float32 scalar}}: each Mamba block's `mamba.SSM_STATS`."""
 _CAPTURING = (QuantLinear, GroupedLinear)
 
 
@@ -98,6 +102,13 @@ def capture_linear_operands(
         group_sizes int32 [E]. Unjitted the paths come in model order; a jitted call returns the
         dict key-sorted (as JAX returns every dict), so iterate over `linear_paths` for order.
     """
+    return _capture(graphdef, params, batch, key, constrain)[0]
+
+
+def _capture(
+    graphdef: nnx.GraphDef, params, batch: Batch, key: jax.Array | None, constrain
+) -> tuple[dict[str, Operands], SsmStats]:
+    """(`capture_linear_operands`, `SsmStats` of the same forward)."""
     missing = sorted({"inputs", "targets"} - set(batch))
     if missing:
         raise ValueError(
@@ -111,12 +122,16 @@ def capture_linear_operands(
 
     def loss(perturbations):
         model = _capturing_model(graphdef, params)
-        forward = nnx.capture(model, LinearOperand, nnx.Perturbation, init=perturbations)
+        forward = nnx.capture(
+            model, LinearOperand, nnx.Perturbation, nnx.Intermediate, init=perturbations
+        )
         inputs_BxL = constrain("tokens", batch["inputs"])
-        logits_BxLxV, operands, _ = forward(inputs_BxL, key=key, constrain=constrain, **documents)
+        logits_BxLxV, operands, _, sown = forward(
+            inputs_BxL, key=key, constrain=constrain, **documents
+        )
         logits_BxLxV = constrain("logits", logits_BxLxV)
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-        return losses_BxL.mean(), operands
+        return losses_BxL.mean(), (operands, sown)
 
     def zero_perturbations():
         model = _capturing_model(graphdef, params)
@@ -125,21 +140,32 @@ def capture_linear_operands(
 
     shapes = jax.eval_shape(zero_perturbations)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    grads, operands = jax.grad(loss, has_aux=True)(zeros)
+    grads, (operands, sown) = jax.grad(loss, has_aux=True)(zeros)
     operands, grads = nnx.to_pure_dict(operands), nnx.to_pure_dict(grads)
     xs, ws, dys = _flat(operands, OPERAND_X), _flat(operands, OPERAND_W), _flat(grads, OUTPUT_GRAD)
     groups = _flat(operands, OPERAND_GROUP_SIZES)
-    return {
+    captured = {
         path: (xs[path], ws[path], dys[path], *([groups[path]] if path in groups else []))
-        for path in sorted(xs, key=_model_order)
+        for path in sorted(xs, key=linear_order)
     }
+    return captured, ssm_layer_stats(nnx.to_pure_dict(sown))
 
 
-def _model_order(path: str) -> tuple[int, int]:
-    """Sort key of `layers.{i}.{name}`: layer index, then the name's place in its block's
-    linears (`LINEAR_NAMES`, or `MOE_LINEAR_NAMES` in an MoE block)."""
-    _, index, name = path.split(".", 2)
-    return int(index), (LINEAR_NAMES if name in LINEAR_NAMES else MOE_LINEAR_NAMES).index(name)
+def ssm_layer_stats(sown: dict[str, Any]) -> SsmStats:
+    """{`layers.{i}`: {stat: value}} of every Mamba block's `SSM_STATS` in a per-layer pure dict
+    of sown intermediates (`{"layers": {"0": {"mamba": {"dt_min": v, ...}}}}`).
+
+    Example:
+        >>> sown = {"layers": {"2": {"mamba": {"dt_max": 0.5, "in_proj": {"amax": 1.0}}}}}
+        >>> ssm_layer_stats(sown)
+        {'layers.2': {'dt_max': 0.5}}
+    """
+    layers: SsmStats = {}
+    for stat in SSM_STATS:
+        for path, value in _flat(sown, stat).items():
+            if path.endswith(".mamba"):
+                layers.setdefault(path.removesuffix(".mamba"), {})[stat] = value
+    return dict(sorted(layers.items(), key=lambda kv: int(kv[0].split(".")[1])))
 
 
 def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe]:
@@ -151,7 +177,7 @@ def linear_recipes(graphdef: nnx.GraphDef, params) -> dict[str, nvfp4_ops.Recipe
         for path, module in nnx.iter_modules(model)
         if isinstance(module, _CAPTURING) and module.recipe.quantized
     }
-    return {path: recipes[path] for path in sorted(recipes, key=_model_order)}
+    return {path: recipes[path] for path in sorted(recipes, key=linear_order)}
 
 
 def _first_microbatch(batch: Batch, accum: int) -> Batch:
@@ -187,12 +213,23 @@ def make_quant_probe(
         `probe(params, batch, key)`, with `key` the train step's `step.step_key(seed, step)`
         (step = completed steps, i.e. `state.step` of the state whose `params` are passed).
     """
+    telemetry = make_telemetry_probe(graphdef, model, grad_accum_steps=grad_accum_steps, mesh=mesh)
+    return lambda params, batch, key: telemetry(params, batch, key)["quant"]
+
+
+def make_telemetry_probe(
+    graphdef: nnx.GraphDef, model: ModelConfig, *, grad_accum_steps: int = 1, mesh=None
+) -> Callable[[Any, Batch, jax.Array], dict[str, Any]]:
+    """`make_quant_probe`'s probe returning `{"quant": QuantStats, "ssm": SsmStats}`: with the
+    quantization statistics, each Mamba block's SSM health (`mamba.SSM_STATS`, per layer also
+    when the run stacks its blocks: the probe runs them unstacked) from the same forward. The
+    train step's program does not change: the statistics are only read here."""
     accum, constrain = grad_accum_steps, activation_constraint(mesh)
 
-    def probe(params, batch: Batch, key: jax.Array) -> QuantStats:
+    def probe(params, batch: Batch, key: jax.Array) -> dict[str, Any]:
         micro_key = jax.random.fold_in(key, 0)
-        operands = capture_linear_operands(
-            graphdef, params, _first_microbatch(batch, accum), micro_key, constrain=constrain
+        operands, ssm = _capture(
+            graphdef, params, _first_microbatch(batch, accum), micro_key, constrain
         )
         keys = linear_keys(model, micro_key)
         stats: QuantStats = {}
@@ -203,7 +240,7 @@ def make_quant_probe(
                 continue
             per_expert = nvfp4_ops.ragged_operand_stats(x, w, dy, groups[0], recipe, keys[path])
             stats.update(expert_stats(path, per_expert, groups[0]))
-        return stats
+        return {"quant": stats, "ssm": ssm}
 
     return probe
 

@@ -36,6 +36,9 @@ the mask as a dense [B, 1, L, L] bias in the compute dtype, keeps it for the bac
 remat (L*c per token), and the backward writes its [B, 1, L, L] gradient, so one block holds the
 boolean mask, the bias and its gradient, L*L*(1 + 2c) per sequence. The largest transient is
 that or the float32 logits and their gradient, whichever is larger.
+A hybrid model (`model.pattern`) counts each block by its kind (`mamba_memory`: Mamba blocks with
+the chunked scan's buffers, named in the printed breakdown; attention blocks as the attention
+rows above; MLP blocks, relu2 or SwiGLU; MoE blocks as `moe_memory`).
 XLA's fusion and buffer reuse move the real figure either way (expect +-50%);
 `benchmarks/bench_compile.py` reports what the compiled step allocates.
 
@@ -57,9 +60,10 @@ from jax.sharding import AbstractMesh
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
 from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense, run_attention
-from nvfp4_train.model.config import is_moe_block
+from nvfp4_train.model.config import block_kinds, block_linear_names
 from nvfp4_train.precision.policy import precision_phases
-from nvfp4_train.training.moe_memory import mlp_correction
+from nvfp4_train.training.mamba_memory import mamba_block_bytes, relu2_mlp_per_token, scan_buffers
+from nvfp4_train.training.moe_memory import dense_mlp_per_token, mlp_correction, moe_mlp_bytes
 from nvfp4_train.training.resume import abstract_state
 
 FP4_BYTES = 9 / 16
@@ -87,6 +91,9 @@ class MemoryEstimate:
     transient: int
     dense_mask: bool = False
     """`cudnn` holds a dense [L, L] document mask (see the module doc)."""
+    scan_buffers: tuple[tuple[str, int], ...] = ()
+    """A hybrid model's Mamba blocks: the chunked scan's buffers over all of them, part of
+    `activations` (`mamba_memory.scan_buffers`)."""
 
     @property
     def total(self) -> int:
@@ -195,13 +202,11 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
     sequences = max(micro // batch_split, 1) if micro % batch_split == 0 else micro
     tokens = sequences * cfg.train.seq_len
     phases = precision_phases(cfg.model, cfg.precision, cfg.train.steps)
-    down = [f"layers.{i}.mlp.{'experts.' * is_moe_block(cfg.model, i)}down"
-            for i in range(cfg.model.num_layers)]  # fmt: skip
+    down = [_down_path(cfg.model, i) for i in range(cfg.model.num_layers)]
     quantized = [[phase.recipes[path].quantized for path in down] for phase in phases]
     saved = {
         phase.label: sum(
-            tokens * _saved_per_token(cfg, q, attention) + mlp_correction(cfg, i, q, sizes, tokens)
-            for i, q in enumerate(blocks)
+            _block_bytes(cfg, i, q, attention, sizes, tokens) for i, q in enumerate(blocks)
         )
         for phase, blocks in zip(phases, quantized, strict=True)
     }
@@ -211,8 +216,43 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
         estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
         peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
         transient=max(_attention_transient(cfg, sequences, attention), logits),
-        dense_mask=_dense_cudnn_mask(cfg, attention),
+        dense_mask=_dense_cudnn_mask(cfg, attention), scan_buffers=_scan_total(cfg, tokens),
     )  # fmt: skip
+
+
+def _down_path(model, index: int) -> str:
+    """The linear whose recipe says whether block `index` counts as quantized: its MLP's `down`
+    (MoE: `mlp.experts.down`), or a Mamba / attention block's last linear."""
+    names = block_linear_names(model, index)
+    return f"layers.{index}." + ("mlp.experts.down" if "mlp.experts.down" in names else names[-1])
+
+
+def _block_bytes(cfg, index: int, quantized: bool, attention: str, sizes, tokens: int) -> float:
+    """Bytes block `index` keeps for the backward (a Llama-style block: the module doc's rows;
+    a hybrid block: its input and its mixer's, `mamba_memory`)."""
+    kind, m = block_kinds(cfg.model)[index], cfg.model
+    if kind == "llama":
+        per_token = _saved_per_token(cfg, quantized, attention)
+        return tokens * per_token + mlp_correction(cfg, index, quantized, sizes, tokens)
+    block_input = tokens * m.d_model * jnp.dtype(m.compute_dtype).itemsize
+    if kind == "mamba":
+        return block_input + mamba_block_bytes(cfg, quantized, tokens)
+    if kind == "moe":
+        return block_input + moe_mlp_bytes(cfg, quantized, sizes, tokens)
+    if kind == "mlp":
+        relu2 = m.mlp_activation == "relu2"
+        mlp = relu2_mlp_per_token if relu2 else dense_mlp_per_token
+        return block_input + tokens * mlp(cfg, quantized)
+    both = _saved_per_token(cfg, quantized, attention)  # attention: a Llama block less its MLP
+    return tokens * (both - dense_mlp_per_token(cfg, quantized))
+
+
+def _scan_total(cfg, tokens: int) -> tuple[tuple[str, int], ...]:
+    """(buffer, bytes over every Mamba block) of the chunked scans (empty without Mamba)."""
+    blocks = block_kinds(cfg.model).count("mamba")
+    if not blocks:
+        return ()
+    return tuple((k, int(v * blocks)) for k, v in scan_buffers(cfg, tokens).items())
 
 
 _TRANSIENT = {
@@ -247,7 +287,11 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         f"{estimate.sequences} sequences x {estimate.seq_len} tokens per device and microbatch; "
         f"attention: {estimate.attention}):"
     ]
-    lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows]
+    lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows[:4]]
+    if estimate.scan_buffers:
+        lines.append("#     of which the Mamba blocks' chunked SSD scans:")
+    lines += [f"#       {name:<62} {value / GIB:9.2f} GiB" for name, value in estimate.scan_buffers]
+    lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows[4:]]
     lines.append(f"#   {'total':<66} {estimate.total / GIB:9.2f} GiB")
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ from nvfp4_ops import Recipe
 from nvfp4_train.config.run_config import Config
 from nvfp4_train.mesh.sharding import batch_sharding
 from nvfp4_train.model.config import linear_paths
-from nvfp4_train.observe.telemetry import make_quant_probe
+from nvfp4_train.observe.telemetry import make_telemetry_probe
 from nvfp4_train.optim.optimizer import make_optimizer
 from nvfp4_train.precision.policy import bf16_forward_start, precision_phases
 from nvfp4_train.precision.schedule import phase_changes
@@ -82,7 +82,7 @@ class CompiledPhases:
         """The jitted steps of `graphdef` with the state's shardings."""
         train, mesh, state_sh = self.cfg.train, self.mesh, self.state_sh
         step = run_train_step(self.cfg, graphdef, self.optimizer, mesh)
-        probe = make_quant_probe(
+        probe = make_telemetry_probe(
             graphdef, self.cfg.model, grad_accum_steps=train.grad_accum_steps, mesh=mesh
         )
         return Phase(

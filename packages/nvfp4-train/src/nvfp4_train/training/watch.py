@@ -51,9 +51,11 @@ class Watch:
                 + "Lower optimizer.learning_rate (or check the data) and run again."
             )  # fmt: skip
 
-    def report_quant(self, outputs: RunOutputs, step: int, quant: Any) -> None:
-        """Writes the telemetry row of `step` and prints the health warnings it raises."""
-        row = quant_row(step, jax.tree.map(host_value, quant))
+    def report_quant(self, outputs: RunOutputs, step: int, telemetry: Any) -> None:
+        """Writes the telemetry row of `step` (the probe's `{"quant": ..., "ssm": ...}`,
+        `telemetry.make_telemetry_probe`) and prints the health warnings it raises."""
+        host = jax.tree.map(host_value, telemetry)
+        row = quant_row(step, host["quant"], host.get("ssm"))
         outputs.write_quant(row)
         self.health_state, lines = self.health.update(self.health_state, row["quant"], step=step)
         for line in lines:
