@@ -59,11 +59,15 @@ def _env(src: Path) -> dict[str, str]:
     return env
 
 
-def run_once(src: Path, config: str, blocks: int, steps: int, out_dir: Path) -> dict:
-    """One `nvfp4-train run`: wall seconds, seconds per phase, compiled programs."""
+def run_once(
+    src: Path, config: str, blocks: int, steps: int, out_dir: Path, pattern: str = ""
+) -> dict:
+    """One `nvfp4-train run`: wall seconds, seconds per phase, compiled programs; `pattern`: the
+    hybrid model's `model.pattern` at this depth ("" leaves the config's)."""
     command = [
         sys.executable, "-m", "nvfp4_train", "run", config, f"model.num_layers={blocks}",
         "model.scan_layers=true", f"train.steps={steps}", f"output_dir={out_dir}",
+        *([f"model.pattern={pattern}"] if pattern else []),
     ]  # fmt: skip
     marks = [(name, pattern or re.compile(rf"^\[{steps}/{steps}\] ")) for name, pattern in MARKS]
     seen: dict[str, float] = {}
@@ -135,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="examples/configs/tiny.yaml")
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--pattern", default="",
+        help="a hybrid model's pattern; each depth D runs its first D letters (model.pattern)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--src", nargs="+", default=[f"this checkout={Path(__file__).resolve().parents[3]}"],
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, src in sources.items():
                 for blocks in args.depths:
                     out_dir = Path(tmp) / f"{len(os.listdir(tmp))}"
-                    row = run_once(Path(src), config, blocks, args.steps, out_dir)
+                    row = run_once(Path(src), config, blocks, args.steps, out_dir, args.pattern[:blocks])
                     runs[label][blocks].append(row)
                     print(
                         f"repeat {repeat} {label} {blocks:3d} blocks: {row['wall_s']:.1f}s",
