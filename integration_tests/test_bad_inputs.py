@@ -285,6 +285,27 @@ CLI_ROWS = [
     ),
     (
         "export",
+        ["hf", "{root}/run", "{root}/o7", "--layout", "modelopt", "--calibrate", "0"],
+        2,
+        "--calibrate must be >= 1 sequences, got 0",
+    ),
+    (
+        "export",
+        [
+            "hf",
+            "{root}/run",
+            "{root}/o7",
+            "--layout",
+            "modelopt",
+            "--weight-only",
+            "--calibrate",
+            "-3",
+        ],
+        2,
+        "--calibrate must be >= 1 sequences, got -3",
+    ),
+    (
+        "export",
         ["hf", "{root}/run", "{root}/o7", "--layout", "modelopt", "--calibrate", "2"],
         2,
         "calibration",
