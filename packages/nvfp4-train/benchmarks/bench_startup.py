@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             for label, src in sources.items():
                 for blocks in args.depths:
                     out_dir = Path(tmp) / f"{len(os.listdir(tmp))}"
-                    row = run_once(Path(src), config, blocks, args.steps, out_dir, args.pattern[:blocks])
+                    row = run_once(
+                        Path(src), config, blocks, args.steps, out_dir, args.pattern[:blocks]
+                    )
                     runs[label][blocks].append(row)
                     print(
                         f"repeat {repeat} {label} {blocks:3d} blocks: {row['wall_s']:.1f}s",
