@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,8 +76,9 @@ def load_task(path: str | Path) -> Task:
     """Reads one task file (its kind from its name: `.jsonl`, `.txt`, `.yaml`/`.yml`, `.json`).
 
     Raises:
-        TaskError: an unknown kind of file, an unsupported feature, a missing field, a gold
-            index out of range, an empty task (each naming the file and example).
+        TaskError: an unknown kind of file, a file that is not UTF-8, an unsupported feature, a
+            missing field, a gold index out of range, a target_score that is not finite, an
+            empty task (each naming the file and example or byte).
         OSError: the file cannot be read.
     """
     path = Path(path)
@@ -94,15 +96,30 @@ def load_task(path: str | Path) -> Task:
     return task
 
 
+def read_utf8(path: Path) -> str:
+    """The text of `path`, read as UTF-8.
+
+    Raises:
+        TaskError: the file is not UTF-8, naming it and the offset of the first bad byte.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = data[e.start : e.start + 1]
+        raise TaskError(f"{path}: not UTF-8 text (byte {e.start}: {bad!r}); task files and "
+                        "their data are read as UTF-8") from None  # fmt: skip
+
+
 def _read_text(path: Path) -> Task:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     return Task(path.stem, str(path), ROLLING, documents=(text,) if text.strip() else ())
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) of each non-blank line."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -168,7 +185,7 @@ YAML_IGNORED = frozenset({
 
 def _read_yaml(path: Path) -> Task:
     try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = yaml.safe_load(read_utf8(path))
     except yaml.constructor.ConstructorError as e:
         tag = getattr(e, "problem", "") or ""
         raise TaskError(
@@ -243,7 +260,7 @@ def _yaml_docs(path: Path, spec: dict) -> list[tuple[str, dict]]:
     if data.suffix.lower() == ".jsonl":
         return [(f"{path} ({data}:{n})", row) for n, row in _jsonl_rows(data)]
     try:
-        rows = json.loads(data.read_text(encoding="utf-8"))
+        rows = json.loads(read_utf8(data))
     except json.JSONDecodeError as e:
         raise TaskError(f"{data}: not JSON: {e.msg} (line {e.lineno})") from None
     if isinstance(rows, dict) and isinstance(rows.get("data"), list):
@@ -312,7 +329,7 @@ BIGBENCH_DEFAULTS = {
 
 def _read_bigbench(path: Path) -> Task:
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
+        spec = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise TaskError(f"{path}: not JSON: {e.msg} (line {e.lineno})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("examples"), list):
@@ -338,6 +355,10 @@ def _bigbench_example(example: dict, settings: dict, where: str) -> ChoiceExampl
     values = list(scores.values())
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise TaskError(f"{where}: target_scores must be numbers, got {values}")
+    bad = [(c, v) for c, v in scores.items() if not math.isfinite(v)]
+    if bad:
+        raise TaskError(f"{where}: target_scores must be finite, got {bad[0][1]} for "
+                        f"{bad[0][0]!r}")  # fmt: skip
     best = max(values)
     if values.count(best) != 1:
         raise TaskError(f"{where}: {values.count(best)} choices share the top target_score "

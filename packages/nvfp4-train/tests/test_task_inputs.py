@@ -1,0 +1,80 @@
+"""Task inputs a user gets wrong without noticing ("Nothing silent, round three"): files that are
+not UTF-8, non-finite BIG-bench scores, choices stored with their leading space, and items longer
+than a row. No training: a fake log-probability function scores, as in test_tasks.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nvfp4_train.cli import main
+from nvfp4_train.tasks import TaskError, load_task
+
+LATIN1 = "caf\xe9 au lait".encode("latin-1")  # byte 3 is 0xE9, not UTF-8
+"""A context in Latin-1: what a spreadsheet export or an old dataset file holds."""
+
+
+def _write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def _latin1_files(root: Path) -> dict[str, Path]:
+    """One task file of every kind with a Latin-1 byte at a known offset (the YAML's is in its
+    data file, the others' in themselves)."""
+    row = b'{"context": "' + LATIN1 + b'", "choices": ["a", "b"], "gold": 0}\n'
+    _write(root / "data.jsonl", row)
+    yaml_text = ("dataset_path: json\ndata_files: data.jsonl\ndoc_to_text: context\n"
+                 "doc_to_choice: choices\ndoc_to_target: gold\n")  # fmt: skip
+    return {
+        "jsonl": _write(root / "t.jsonl", row),
+        "text": _write(root / "t.txt", LATIN1),
+        "yaml": _write(root / "t.yaml", b"task: x\n# " + LATIN1 + b"\ndataset_path: json\n"),
+        "yaml data": _write(root / "y.yaml", yaml_text),
+        "bigbench": _write(root / "task.json", b'{"description": "' + LATIN1 + b'"}'),
+    }
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "text", "yaml", "yaml data", "bigbench"])
+def test_a_task_file_that_is_not_utf8_is_named_with_its_byte(tmp_path, kind):
+    path = _latin1_files(tmp_path)[kind]
+    named = tmp_path / "data.jsonl" if kind == "yaml data" else path
+    offset = named.read_bytes().index(b"\xe9")
+    with pytest.raises(TaskError) as raised:
+        load_task(path)
+    message = str(raised.value)
+    assert message.startswith(f"{named}: not UTF-8 text (byte {offset}: b'\\xe9')"), message
+    assert "\n" not in message
+
+
+def test_eval_and_a_run_config_refuse_a_non_utf8_task_in_one_line(tmp_path, capsys, tiny_config):
+    bad = _latin1_files(tmp_path)["jsonl"]
+    assert main(["eval", str(tmp_path / "no-run"), "--tasks", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    offset = bad.read_bytes().index(b"\xe9")
+    assert err == f"error: {bad}: not UTF-8 text (byte {offset}: b'\\xe9'); task files and their " \
+        "data are read as UTF-8"  # fmt: skip
+    config = tiny_config(tmp_path / "run", eval={"tasks": [str(bad)]})
+    config_file = _write(tmp_path / "run.yaml", yaml.safe_dump(config))
+    assert main(["run", str(config_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{bad}: not UTF-8 text (byte {offset}" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("score", ["NaN", "Infinity", "-Infinity"])
+def test_a_bigbench_target_score_that_is_not_finite_is_refused(tmp_path, score):
+    scores = f'{{"yes": 1, "no": {score}}}'
+    text = '{"examples": [{"input": "x", "target_scores": {"a": 1, "b": 0}}, ' \
+        f'{{"input": "y", "target_scores": {scores}}}]}}'  # fmt: skip
+    path = _write(tmp_path / "task.json", text)
+    with pytest.raises(TaskError) as raised:
+        load_task(path)
+    assert str(raised.value) == (
+        f"{path}: example 1: target_scores must be finite, got {float(score)} for 'no'"
+    )
+    assert json.loads(text)  # Python's json reads NaN / Infinity: the check is ours
