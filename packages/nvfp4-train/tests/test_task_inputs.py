@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from nvfp4_train.cli import main
-from nvfp4_train.tasks import TaskError, load_task
+from nvfp4_train.data import id_tokenizer
+from nvfp4_train.tasks import TaskError, choice_window, load_task, score_task
+from nvfp4_train.training.downstream import format_table
 
 LATIN1 = "caf\xe9 au lait".encode("latin-1")  # byte 3 is 0xE9, not UTF-8
 """A context in Latin-1: what a spreadsheet export or an old dataset file holds."""
@@ -21,6 +24,16 @@ def _write(path: Path, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data.encode() if isinstance(data, str) else data)
     return path
+
+
+def _target_logprob(inputs_BxL: np.ndarray, targets_BxL: np.ndarray):
+    """A fake model (as test_tasks.py's): log p(target) = -0.1 * (target + 1)."""
+    del inputs_BxL
+    return (-0.1 * (targets_BxL + 1)).astype(np.float32), targets_BxL % 2 == 0
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    return _write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _latin1_files(root: Path) -> dict[str, Path]:
@@ -78,3 +91,36 @@ def test_a_bigbench_target_score_that_is_not_finite_is_refused(tmp_path, score):
         f"{path}: example 1: target_scores must be finite, got {float(score)} for 'no'"
     )
     assert json.loads(text)  # Python's json reads NaN / Infinity: the check is ours
+
+
+def test_a_choice_longer_than_a_row_is_scored_on_its_last_tokens(tmp_path):
+    """lm-evaluation-harness's rule: keep the last seq_len + 1 tokens of context + continuation
+    and score the continuation tokens among them; the task goes on and counts the cut item."""
+    w = choice_window([5], [6, 7, 8, 9], seq_len=2)
+    assert (w.tokens.tolist(), w.score_from, w.truncated, w.unscored) == ([7, 8, 9], 0, True, 2)
+    fits = choice_window([5, 6], [7], seq_len=2)
+    assert (fits.score_from, fits.truncated, fits.unscored) == (1, False, 0)
+    rows = [
+        {"context": "t1", "choices": ["t2", "t3 t3 t3"], "gold": 0},  # 4 tokens > a row of 3
+        {"context": "t1", "choices": ["t2", "t4"], "gold": 1},
+    ]
+    task = load_task(_jsonl(tmp_path / "long.jsonl", rows))
+    result = score_task(task, id_tokenizer(8), _target_logprob, seq_len=2, batch_size=2)
+    # the long choice: inputs [t3, t3], targets [t3, t3] both scored (its first t3 was cut)
+    np.testing.assert_allclose(result.loglikelihoods, [(-0.3, -0.8), (-0.3, -0.5)], rtol=1e-6)
+    m = result.metrics
+    assert (m["examples"], m["truncated"], m["continuations_cut"]) == (2, 1, 1)
+    assert m["acc"] == 0.5
+    note = format_table([result]).splitlines()[-1]
+    assert note.startswith("note: long: 1 choice(s) longer than a row were scored on their last")
+
+
+def test_eval_output_in_a_missing_directory_is_refused_before_scoring(tmp_path, capsys):
+    task = _jsonl(tmp_path / "mc.jsonl", [{"context": "a", "choices": ["b", "c"], "gold": 0}])
+    out = tmp_path / "missing" / "results.json"
+    argv = ["eval", str(tmp_path / "no-run"), "--tasks", str(task), "-o", str(out)]
+    assert main(argv) == 2  # the -o error, not "no run": checked before the run is read
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: -o {str(out)!r}: the directory {str(out.parent)!r} does not exist " \
+        "(checked before scoring)"  # fmt: skip
+    assert not out.parent.exists()

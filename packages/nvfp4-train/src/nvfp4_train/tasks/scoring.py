@@ -50,7 +50,8 @@ class TaskResult:
 
     Attributes:
         name, path, kind: the task's.
-        metrics: {metric: value} (see the module docstring), plus `examples` and `truncated`.
+        metrics: {metric: value} (see the module docstring), plus `examples`, `truncated` and
+            `continuations_cut`.
         loglikelihoods: per example, its choices' summed log-probabilities (multiple choice) or
             per document its summed log-probability (rolling), float64.
     """
@@ -121,12 +122,14 @@ def score_task(
 
     A multiple-choice context with no tokens is the tokenizer's `eos_id` (lm-eval's start of
     text); a rolling document starts with `eos_id` too (the separator the run's documents
-    followed), or, without one, its first token is context only. Contexts longer than fits are
-    cut from the left; `metrics["truncated"]` counts the (example, choice) requests cut.
+    followed), or, without one, its first token is context only. Requests longer than fit are
+    cut from the left (lm-eval's rule); `metrics["truncated"]` counts the (example, choice)
+    requests cut, `metrics["continuations_cut"]` those of them whose choice itself lost tokens
+    (only its last `seq_len` tokens scored): one long item never stops a task.
 
     Raises:
-        TaskError: an example that cannot be scored (a continuation longer than `seq_len`, an
-            empty choice, an empty context without an eos token), naming it.
+        TaskError: an example that cannot be scored (an empty choice, an empty context without
+            an eos token), naming it.
     """
     if task.kind == MULTIPLE_CHOICE:
         windows, gold, sizes = [], [], []
@@ -146,6 +149,7 @@ def score_task(
             start += len(example.choices)
         metrics = multiple_choice_metrics(lls, gold, sizes)
         truncated = sum(w.truncated for w in windows)
+        cut = sum(w.unscored > 0 for w in windows)
     else:
         per_doc = [document_windows(tokenizer, d, seq_len) for d in task.documents]
         windows = [w for ws in per_doc for w in ws]
@@ -159,8 +163,8 @@ def score_task(
         if sum(tokens) == 0:
             raise TaskError(f"{task.path}: the documents hold no token to score")
         metrics = rolling_metrics(lls, tokens, task.documents)
-        truncated = 0
-    metrics |= {"examples": len(task), "truncated": int(truncated)}
+        truncated = cut = 0
+    metrics |= {"examples": len(task), "truncated": int(truncated), "continuations_cut": int(cut)}
     return TaskResult(task.name, task.path, task.kind, metrics, tuple(lls))
 
 
@@ -171,7 +175,7 @@ def request_window(
 
     Raises:
         TaskError: naming `where`: an empty continuation, an empty context without an eos
-            token, a continuation longer than `seq_len` tokens.
+            token.
     """
     if not continuation.strip():
         raise TaskError(f"{where}: an empty continuation {continuation!r} cannot be scored")
@@ -182,9 +186,6 @@ def request_window(
         context_ids = [tokenizer.eos_id]
     if not continuation_ids:
         raise TaskError(f"{where}: {continuation!r} encodes to no token")
-    if len(continuation_ids) > seq_len:
-        raise TaskError(f"{where}: {continuation!r} is {len(continuation_ids)} tokens, "
-                        f"longer than the {seq_len} a row holds")  # fmt: skip
     return choice_window(context_ids, continuation_ids, seq_len)
 
 
