@@ -124,3 +124,37 @@ def test_eval_output_in_a_missing_directory_is_refused_before_scoring(tmp_path, 
     assert err == f"error: -o {str(out)!r}: the directory {str(out.parent)!r} does not exist " \
         "(checked before scoring)"  # fmt: skip
     assert not out.parent.exists()
+
+
+def test_choices_stored_with_their_leading_space_get_no_second_one(tmp_path, capsys):
+    """lm-eval-style endings (" yes") are scored as " yes", as the plain form "yes" is, with one
+    warning line per task; a non-space delimiter is still added."""
+    from nvfp4_train.data import ByteTokenizer
+
+    plain = [{"context": "Is it?", "choices": ["yes", "no"], "gold": 0}] * 2
+    spaced = [{"context": "Is it?", "choices": [" yes", " no"], "gold": 0},
+              {"context": "Is it?", "choices": ["yes", "\tno"], "gold": 0}]  # fmt: skip
+    tok = ByteTokenizer()
+    scores = {}
+    for name, rows in (("plain", plain), ("spaced", spaced)):
+        task = load_task(_jsonl(tmp_path / f"{name}.jsonl", rows))
+        scores[name] = score_task(task, tok, _target_logprob, seq_len=32, batch_size=4)
+    assert scores["spaced"].loglikelihoods[0] == scores["plain"].loglikelihoods[0]
+    spaced_task = load_task(tmp_path / "spaced.jsonl")
+    assert [spaced_task.continuation(c) for c in ("yes", " yes", "\tno")] == [
+        " yes",
+        " yes",
+        "\tno",
+    ]
+    assert spaced_task.warnings() == [
+        f"warning: {tmp_path / 'spaced.jsonl'}: 3 choice(s) start with whitespace; the "
+        "delimiter ' ' is not added before them (no doubled space)"
+    ]
+    assert load_task(tmp_path / "plain.jsonl").warnings() == []
+    assert main(["eval", str(tmp_path / "no-run"), "--tasks", str(tmp_path / "spaced.jsonl")]) == 2
+    assert capsys.readouterr().out.strip() == spaced_task.warnings()[0]  # said before the run
+    _jsonl(tmp_path / "d.jsonl", [{"q": "Is it", "c": [" yes", " no"]}])
+    colon = _write(tmp_path / "colon.yaml", "dataset_path: json\ndata_files: d.jsonl\n"
+                   "doc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\ntarget_delimiter: ':'\n")  # fmt: skip
+    colon_task = load_task(colon)
+    assert colon_task.continuation(" yes") == ": yes" and colon_task.warnings() == []

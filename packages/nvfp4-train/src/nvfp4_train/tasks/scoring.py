@@ -1,9 +1,10 @@
 """Scoring a `Task` with a log-probability function, and the metrics (lm-eval's formulas).
 
 Multiple choice: each choice's log-likelihood `ll_i = sum log p(continuation tokens | context)`
-(the continuation is the task's delimiter + the choice); `acc` is the fraction of examples whose
-argmax of `ll_i` is the gold choice, `acc_norm` the same for `ll_i / bytes_i` (the choice's length
-in UTF-8 bytes); each with its standard error `sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)`.
+(the continuation is the task's delimiter + the choice: `Task.continuation`); `acc` is the
+fraction of examples whose argmax of `ll_i` is the gold choice, `acc_norm` the same for
+`ll_i / bytes_i` (the choice's length in UTF-8 bytes); each with its standard error
+`sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)`.
 Rolling: `LL = sum over documents of sum log p(token | preceding tokens)`, then
 `perplexity = exp(-LL / tokens)`, `word_perplexity = exp(-LL / words)`,
 `byte_perplexity = exp(-LL / bytes)`, `bits_per_byte = -LL / (bytes * ln 2)`.
@@ -135,7 +136,7 @@ def score_task(
         windows, gold, sizes = [], [], []
         for example in task.examples:
             for choice in example.choices:
-                continuation = task.delimiter + choice
+                continuation = task.continuation(choice)
                 windows.append(
                     request_window(tokenizer, example.context, continuation, seq_len, example.where)
                 )

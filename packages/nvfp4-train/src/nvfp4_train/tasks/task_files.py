@@ -2,7 +2,8 @@
 
 Four kinds of file, each read into one `Task`:
 - plain JSONL (`*.jsonl`): one example a line, `{"context": str, "choices": [str, ...], "gold":
-  int}` (multiple choice; a choice follows its context after one space), or `{"text": str}`
+  int}` (multiple choice; a choice follows its context after one space, unless it starts
+  with whitespace of its own: `Task.continuation`), or `{"text": str}`
   (rolling log-likelihood, one document a line);
 - plain text (`*.txt`): one document, scored by rolling log-likelihood;
 - an lm-evaluation-harness task YAML over local data (`dataset_path: json`, `dataset_kwargs:
@@ -70,6 +71,23 @@ class Task:
 
     def __len__(self) -> int:
         return len(self.examples) if self.kind == MULTIPLE_CHOICE else len(self.documents)
+
+    def continuation(self, choice: str) -> str:
+        """What is scored after the context: `delimiter + choice`, or `choice` alone when the
+        delimiter is whitespace and the choice starts with whitespace (an ending stored with
+        its leading space, as many lm-eval datasets store them: no doubled space)."""
+        return choice if self._keeps_own_space(choice) else self.delimiter + choice
+
+    def _keeps_own_space(self, choice: str) -> bool:
+        return self.delimiter.isspace() and choice[:1].isspace()
+
+    def warnings(self) -> list[str]:
+        """One `warning:` line when choices start with whitespace (see `continuation`)."""
+        spaced = sum(self._keeps_own_space(c) for e in self.examples for c in e.choices)
+        if not spaced:
+            return []
+        return [f"warning: {self.path}: {spaced} choice(s) start with whitespace; the delimiter "
+                f"{self.delimiter!r} is not added before them (no doubled space)"]  # fmt: skip
 
 
 def load_task(path: str | Path) -> Task:

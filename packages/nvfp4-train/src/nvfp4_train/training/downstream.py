@@ -234,6 +234,8 @@ def evaluate_run_tasks(
                           "not exist (checked before scoring)")  # fmt: skip
     stream = sys.stdout if stream is None else stream
     tasks = load_tasks(task_paths)  # task mistakes before anything slow
+    for line in (w for task in tasks for w in task.warnings()):
+        print(line, file=stream, flush=True)
     scorer = run_scorer(run_dir, forward=forward, stream=stream)
     progress = _Progress(sys.stderr)
     try:
