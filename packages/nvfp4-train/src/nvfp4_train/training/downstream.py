@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from nvfp4_train.errors import ConfigError
+from nvfp4_train.observe.output_files import refuse_existing
 from nvfp4_train.tasks import Task, TaskError, TaskResult, load_task, score_task
 from nvfp4_train.tasks.scoring import document_windows, request_window
 from nvfp4_train.tasks.windows import score_windows
@@ -227,8 +228,8 @@ def evaluate_run_tasks(
         raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    if output is not None and Path(output).exists():
-        raise ConfigError(f"{str(output)!r} exists; not overwriting it (remove it or choose -o)")
+    if output is not None:
+        refuse_existing(output)
     if output is not None and not Path(output).parent.is_dir():
         raise ConfigError(f"-o {str(output)!r}: the directory {str(Path(output).parent)!r} does "
                           "not exist (checked before scoring)")  # fmt: skip
