@@ -76,6 +76,7 @@ def place(tmp_path_factory):
     (root / "truncated.safetensors").write_bytes(good.read_bytes()[:-100])
     (root / "empty_dir").mkdir()
     (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n a user's picture")
     shutil.copytree(root / "export", root / "export_list_config")
     (root / "export_list_config" / "config.json").write_text("[1]")
     write("listkey.yaml", "train:\n  steps: 3\n? [a, b]\n: 1\n")
@@ -221,6 +222,20 @@ CLI_ROWS = [
         2,
         "plot --quant takes one RUN_DIR",
     ),
+    (
+        "train",
+        ["eval", "{root}/run", "--tasks", "{root}/binary.txt"],
+        2,
+        "not UTF-8 text (byte 128",
+    ),
+    (
+        "train",
+        ["eval", "{root}/run", "--tasks", "{root}/binary.txt", "-o", "{root}/missing/r.json"],
+        2,
+        "does not exist (checked before scoring)",
+    ),
+    ("train", ["plot", "{root}/run", "-o", "{root}/plot.txt"], 2, "matplotlib cannot write '.txt'"),
+    ("train", ["plot", "{root}/run", "-o", "{root}/picture.png"], 2, "exists; not overwriting it"),
     ("export", ["hf", "{root}/missing", "{root}/o1", "--layout", "modelopt"], 2, "does not exist"),
     (
         "export",
@@ -282,6 +297,27 @@ CLI_ROWS = [
         ["hf", "{root}/run", "{root}/file_as_output/x", "--layout", "modelopt"],
         2,
         "does not exist",
+    ),
+    (
+        "export",
+        ["hf", "{root}/run", "{root}/o7", "--layout", "modelopt", "--calibrate", "0"],
+        2,
+        "--calibrate must be >= 1 sequences, got 0",
+    ),
+    (
+        "export",
+        [
+            "hf",
+            "{root}/run",
+            "{root}/o7",
+            "--layout",
+            "modelopt",
+            "--weight-only",
+            "--calibrate",
+            "-3",
+        ],
+        2,
+        "--calibrate must be >= 1 sequences, got -3",
     ),
     (
         "export",

@@ -62,3 +62,29 @@ def test_plot_runs_errors_name_the_run(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ValueError, match="has no loss rows"):
         plot_runs([tmp_path / "empty"], tmp_path / "x.png")
+
+
+def test_cli_plot_output_keeps_a_users_file_and_needs_a_format_matplotlib_writes(tmp_path, capsys):
+    """`plot -o` refuses a file it did not write (eval -o's wording), replaces its own PNG, and
+    refuses an extension matplotlib cannot write before drawing anything."""
+    from nvfp4_train.cli import main
+
+    _fake_run(tmp_path / "run", "bf16", 1.0)
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(PNG_MAGIC + b"a user's picture")
+    assert main(["plot", str(tmp_path / "run"), "-o", str(mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {str(mine)!r} exists; not overwriting it (remove it or choose -o)"
+    assert mine.read_bytes() == PNG_MAGIC + b"a user's picture"
+    ours = tmp_path / "ours.png"
+    for _ in range(2):  # the second time replaces the first's PNG
+        assert main(["plot", str(tmp_path / "run"), "-o", str(ours)]) == 0
+        assert ours.read_bytes().startswith(PNG_MAGIC)
+    assert main(["plot", str(tmp_path / "run"), "-o", str(tmp_path / "loss.pdf")]) == 0
+    capsys.readouterr()
+    notes = tmp_path / "out" / "notes.txt"
+    assert main(["plot", str(tmp_path / "run"), "-o", str(notes)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: -o {str(notes)!r}: matplotlib cannot write '.txt' files; use")
+    assert ".pdf" in err and ".png" in err and ".svg" in err and len(err.splitlines()) == 1
+    assert not notes.parent.exists()  # checked before anything is drawn

@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     hf.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     hf.add_argument(
-        "--calibrate", type=int, default=0, metavar="N", help="input scales from N sequences"
+        "--calibrate",
+        type=int,
+        default=None,
+        metavar="N",
+        help="input scales from N >= 1 sequences",
     )
     hf.add_argument("--calibration-text", default=None, help="text file for --calibrate sequences")
     hf.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)

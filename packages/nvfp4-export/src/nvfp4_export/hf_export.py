@@ -113,9 +113,9 @@ def _calibrated(ckpt, spec, recipes, n: int, text: Path | None, log) -> InputAma
     return InputAmax(calibrate(weights, tokens), "calibration", info, notes)
 
 
-def _input_amax(ckpt, spec, recipes, calibrate_n: int, calibration_text, log,
+def _input_amax(ckpt, spec, recipes, calibrate_n: int | None, calibration_text, log,
                 allow_uncalibrated: bool = False) -> InputAmax:  # fmt: skip
-    if calibrate_n:
+    if calibrate_n is not None:
         found = _calibrated(ckpt, spec, recipes, calibrate_n, calibration_text, log)
     else:
         stats = amax_from_stats(ckpt.quant_stats, spec.linear_paths())
@@ -278,7 +278,7 @@ def export_hf(
     weight_only: bool = False,
     step: int | None = None,
     overwrite: bool = False,
-    calibrate_n: int = 0,
+    calibrate_n: int | None = None,
     calibration_text: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     servers: Sequence[str] | None = None,
@@ -297,7 +297,8 @@ def export_hf(
         weight_only: write no input scales even when activation amax is available.
         step: the checkpoint step (default: the newest).
         overwrite: replace an existing `out_dir`.
-        calibrate_n: run a calibration pass over this many sequences for the input scales.
+        calibrate_n: run a calibration pass over this many sequences (>= 1) for the input
+            scales; None (the default) runs none.
         calibration_text: a text file to draw calibration sequences from.
         max_shard_bytes: split weights into shards of at most this size (plus an index).
         servers: the servers the export is for (`servers.SERVERS`: "vllm", "sglang",
@@ -325,7 +326,9 @@ def export_hf(
     start = time.perf_counter()
     out_dir = Path(out_dir)
     plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
-    if calibration_text is not None and not calibrate_n:
+    if calibrate_n is not None and calibrate_n < 1:
+        raise ExportError(f"--calibrate must be >= 1 sequences, got {calibrate_n}")
+    if calibration_text is not None and calibrate_n is None:
         raise ExportError("--calibration-text needs --calibrate N (the number of sequences)")
     ref = resolve_checkpoint(checkpoint, step)
     out_dir = check_target(out_dir, overwrite, source=ref)  # before any work: fail fast

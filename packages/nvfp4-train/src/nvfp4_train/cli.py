@@ -107,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     plot.add_argument(
         "-o", "--output", type=Path, default=None,
-        help="PNG path (default: loss.png, quant.png or experts.png, in the first RUN_DIR)",
+        help="the figure (any format matplotlib writes: .png, .pdf, .svg, ...; default: loss.png, "
+        "quant.png or experts.png, in the first RUN_DIR); an existing file is not overwritten "
+        "unless this command wrote it",
     )  # fmt: skip
     plot.add_argument(
         "--smoothing", type=float, default=0.6, help="EMA weight of the train loss, in [0, 1)"
@@ -193,6 +195,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from nvfp4_train.observe.output_files import check_figure_output
     from nvfp4_train.observe.plot import plot_quant, plot_runs
     from nvfp4_train.observe.plot_experts import plot_experts
 
@@ -201,6 +204,8 @@ def _plot(args: argparse.Namespace) -> int:
         names = " ".join(str(d) for d in args.run_dirs)
         raise ConfigError(f"plot {flag} takes one RUN_DIR, got {len(args.run_dirs)}: {names}")
     name = {"--quant": "quant.png", "--experts": "experts.png"}.get(flag, "loss.png")
+    if args.output is not None:  # before anything is read or drawn
+        check_figure_output(args.output)
     output = args.output or args.run_dirs[0] / name
     if args.quant:
         path = plot_quant(args.run_dirs[0], output, stat=args.stat)

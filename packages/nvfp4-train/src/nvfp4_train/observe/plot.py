@@ -19,6 +19,7 @@ from nvfp4_train.errors import ConfigError, DataError
 from nvfp4_train.model.pattern import pattern_kinds, pattern_letters
 from nvfp4_train.model.structure import LINEAR_ORDER
 from nvfp4_train.observe.metrics import read_metrics
+from nvfp4_train.observe.output_files import figure_metadata
 
 QUANT_STATS = ("amax", "underflow", "saturation", "rel_error")
 """The statistics of a telemetry row (as `nvfp4_ops.STATS`)."""
@@ -109,7 +110,7 @@ def plot_runs(
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
+    fig.savefig(output, metadata=figure_metadata(output))
     plt.close(fig)
     return output
 
@@ -271,6 +272,6 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
     )
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
+    fig.savefig(output, metadata=figure_metadata(output))
     plt.close(fig)
     return output

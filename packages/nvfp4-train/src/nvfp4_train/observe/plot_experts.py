@@ -20,6 +20,7 @@ import numpy as np
 
 from nvfp4_train.errors import DataError
 from nvfp4_train.observe.metrics import read_metrics
+from nvfp4_train.observe.output_files import figure_metadata
 from nvfp4_train.observe.plot import run_label
 
 
@@ -116,7 +117,7 @@ def plot_experts(run_dir: str | Path, output: str | Path) -> Path:
     fig.suptitle(f"{run_label(run_dir)}: expert load per MoE block{note}")
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
+    fig.savefig(output, metadata=figure_metadata(output))
     plt.close(fig)
     return output
 

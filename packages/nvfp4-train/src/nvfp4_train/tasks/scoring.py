@@ -1,9 +1,10 @@
 """Scoring a `Task` with a log-probability function, and the metrics (lm-eval's formulas).
 
 Multiple choice: each choice's log-likelihood `ll_i = sum log p(continuation tokens | context)`
-(the continuation is the task's delimiter + the choice); `acc` is the fraction of examples whose
-argmax of `ll_i` is the gold choice, `acc_norm` the same for `ll_i / bytes_i` (the choice's length
-in UTF-8 bytes); each with its standard error `sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)`.
+(the continuation is the task's delimiter + the choice: `Task.continuation`); `acc` is the
+fraction of examples whose argmax of `ll_i` is the gold choice, `acc_norm` the same for
+`ll_i / bytes_i` (the choice's length in UTF-8 bytes); each with its standard error
+`sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)`.
 Rolling: `LL = sum over documents of sum log p(token | preceding tokens)`, then
 `perplexity = exp(-LL / tokens)`, `word_perplexity = exp(-LL / words)`,
 `byte_perplexity = exp(-LL / bytes)`, `bits_per_byte = -LL / (bytes * ln 2)`.
@@ -50,7 +51,8 @@ class TaskResult:
 
     Attributes:
         name, path, kind: the task's.
-        metrics: {metric: value} (see the module docstring), plus `examples` and `truncated`.
+        metrics: {metric: value} (see the module docstring), plus `examples`, `truncated` and
+            `continuations_cut`.
         loglikelihoods: per example, its choices' summed log-probabilities (multiple choice) or
             per document its summed log-probability (rolling), float64.
     """
@@ -121,18 +123,20 @@ def score_task(
 
     A multiple-choice context with no tokens is the tokenizer's `eos_id` (lm-eval's start of
     text); a rolling document starts with `eos_id` too (the separator the run's documents
-    followed), or, without one, its first token is context only. Contexts longer than fits are
-    cut from the left; `metrics["truncated"]` counts the (example, choice) requests cut.
+    followed), or, without one, its first token is context only. Requests longer than fit are
+    cut from the left (lm-eval's rule); `metrics["truncated"]` counts the (example, choice)
+    requests cut, `metrics["continuations_cut"]` those of them whose choice itself lost tokens
+    (only its last `seq_len` tokens scored): one long item never stops a task.
 
     Raises:
-        TaskError: an example that cannot be scored (a continuation longer than `seq_len`, an
-            empty choice, an empty context without an eos token), naming it.
+        TaskError: an example that cannot be scored (an empty choice, an empty context without
+            an eos token), naming it.
     """
     if task.kind == MULTIPLE_CHOICE:
         windows, gold, sizes = [], [], []
         for example in task.examples:
             for choice in example.choices:
-                continuation = task.delimiter + choice
+                continuation = task.continuation(choice)
                 windows.append(
                     request_window(tokenizer, example.context, continuation, seq_len, example.where)
                 )
@@ -146,6 +150,7 @@ def score_task(
             start += len(example.choices)
         metrics = multiple_choice_metrics(lls, gold, sizes)
         truncated = sum(w.truncated for w in windows)
+        cut = sum(w.unscored > 0 for w in windows)
     else:
         per_doc = [document_windows(tokenizer, d, seq_len) for d in task.documents]
         windows = [w for ws in per_doc for w in ws]
@@ -159,8 +164,8 @@ def score_task(
         if sum(tokens) == 0:
             raise TaskError(f"{task.path}: the documents hold no token to score")
         metrics = rolling_metrics(lls, tokens, task.documents)
-        truncated = 0
-    metrics |= {"examples": len(task), "truncated": int(truncated)}
+        truncated = cut = 0
+    metrics |= {"examples": len(task), "truncated": int(truncated), "continuations_cut": int(cut)}
     return TaskResult(task.name, task.path, task.kind, metrics, tuple(lls))
 
 
@@ -171,7 +176,7 @@ def request_window(
 
     Raises:
         TaskError: naming `where`: an empty continuation, an empty context without an eos
-            token, a continuation longer than `seq_len` tokens.
+            token.
     """
     if not continuation.strip():
         raise TaskError(f"{where}: an empty continuation {continuation!r} cannot be scored")
@@ -182,9 +187,6 @@ def request_window(
         context_ids = [tokenizer.eos_id]
     if not continuation_ids:
         raise TaskError(f"{where}: {continuation!r} encodes to no token")
-    if len(continuation_ids) > seq_len:
-        raise TaskError(f"{where}: {continuation!r} is {len(continuation_ids)} tokens, "
-                        f"longer than the {seq_len} a row holds")  # fmt: skip
     return choice_window(context_ids, continuation_ids, seq_len)
 
 

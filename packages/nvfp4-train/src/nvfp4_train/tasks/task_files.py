@@ -2,7 +2,8 @@
 
 Four kinds of file, each read into one `Task`:
 - plain JSONL (`*.jsonl`): one example a line, `{"context": str, "choices": [str, ...], "gold":
-  int}` (multiple choice; a choice follows its context after one space), or `{"text": str}`
+  int}` (multiple choice; a choice follows its context after one space, unless it starts
+  with whitespace of its own: `Task.continuation`), or `{"text": str}`
   (rolling log-likelihood, one document a line);
 - plain text (`*.txt`): one document, scored by rolling log-likelihood;
 - an lm-evaluation-harness task YAML over local data (`dataset_path: json`, `dataset_kwargs:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,13 +72,31 @@ class Task:
     def __len__(self) -> int:
         return len(self.examples) if self.kind == MULTIPLE_CHOICE else len(self.documents)
 
+    def continuation(self, choice: str) -> str:
+        """What is scored after the context: `delimiter + choice`, or `choice` alone when the
+        delimiter is whitespace and the choice starts with whitespace (an ending stored with
+        its leading space, as many lm-eval datasets store them: no doubled space)."""
+        return choice if self._keeps_own_space(choice) else self.delimiter + choice
+
+    def _keeps_own_space(self, choice: str) -> bool:
+        return self.delimiter.isspace() and choice[:1].isspace()
+
+    def warnings(self) -> list[str]:
+        """One `warning:` line when choices start with whitespace (see `continuation`)."""
+        spaced = sum(self._keeps_own_space(c) for e in self.examples for c in e.choices)
+        if not spaced:
+            return []
+        return [f"warning: {self.path}: {spaced} choice(s) start with whitespace; the delimiter "
+                f"{self.delimiter!r} is not added before them (no doubled space)"]  # fmt: skip
+
 
 def load_task(path: str | Path) -> Task:
     """Reads one task file (its kind from its name: `.jsonl`, `.txt`, `.yaml`/`.yml`, `.json`).
 
     Raises:
-        TaskError: an unknown kind of file, an unsupported feature, a missing field, a gold
-            index out of range, an empty task (each naming the file and example).
+        TaskError: an unknown kind of file, a file that is not UTF-8, an unsupported feature, a
+            missing field, a gold index out of range, a target_score that is not finite, an
+            empty task (each naming the file and example or byte).
         OSError: the file cannot be read.
     """
     path = Path(path)
@@ -94,15 +114,30 @@ def load_task(path: str | Path) -> Task:
     return task
 
 
+def read_utf8(path: Path) -> str:
+    """The text of `path`, read as UTF-8.
+
+    Raises:
+        TaskError: the file is not UTF-8, naming it and the offset of the first bad byte.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = data[e.start : e.start + 1]
+        raise TaskError(f"{path}: not UTF-8 text (byte {e.start}: {bad!r}); task files and "
+                        "their data are read as UTF-8") from None  # fmt: skip
+
+
 def _read_text(path: Path) -> Task:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     return Task(path.stem, str(path), ROLLING, documents=(text,) if text.strip() else ())
 
 
 def _jsonl_rows(path: Path) -> list[tuple[int, dict]]:
     """(line number, object) of each non-blank line."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -168,7 +203,7 @@ YAML_IGNORED = frozenset({
 
 def _read_yaml(path: Path) -> Task:
     try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        spec = yaml.safe_load(read_utf8(path))
     except yaml.constructor.ConstructorError as e:
         tag = getattr(e, "problem", "") or ""
         raise TaskError(
@@ -243,7 +278,7 @@ def _yaml_docs(path: Path, spec: dict) -> list[tuple[str, dict]]:
     if data.suffix.lower() == ".jsonl":
         return [(f"{path} ({data}:{n})", row) for n, row in _jsonl_rows(data)]
     try:
-        rows = json.loads(data.read_text(encoding="utf-8"))
+        rows = json.loads(read_utf8(data))
     except json.JSONDecodeError as e:
         raise TaskError(f"{data}: not JSON: {e.msg} (line {e.lineno})") from None
     if isinstance(rows, dict) and isinstance(rows.get("data"), list):
@@ -312,7 +347,7 @@ BIGBENCH_DEFAULTS = {
 
 def _read_bigbench(path: Path) -> Task:
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
+        spec = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise TaskError(f"{path}: not JSON: {e.msg} (line {e.lineno})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("examples"), list):
@@ -338,6 +373,10 @@ def _bigbench_example(example: dict, settings: dict, where: str) -> ChoiceExampl
     values = list(scores.values())
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise TaskError(f"{where}: target_scores must be numbers, got {values}")
+    bad = [(c, v) for c, v in scores.items() if not math.isfinite(v)]
+    if bad:
+        raise TaskError(f"{where}: target_scores must be finite, got {bad[0][1]} for "
+                        f"{bad[0][0]!r}")  # fmt: skip
     best = max(values)
     if values.count(best) != 1:
         raise TaskError(f"{where}: {values.count(best)} choices share the top target_score "

@@ -3,7 +3,8 @@
 A `Window` is a run of tokens whose last targets are scored: row inputs `tokens[:-1]`, targets
 `tokens[1:]`, the log-probabilities of targets `score_from:` summed. A multiple-choice request
 (context, continuation) is one window, cut from the left to `seq_len + 1` tokens when longer (as
-lm-evaluation-harness does); a document scored by rolling log-likelihood is a series of windows
+lm-evaluation-harness does: a continuation longer than the row loses its first tokens, and the
+rest is scored); a document scored by rolling log-likelihood is a series of windows
 that predict each token once (lm-eval's `get_rolling_token_windows` with `context_len=1`).
 
 Example:
@@ -27,11 +28,13 @@ bool [B, L] target is the argmax)`: the model's scores of every target position.
 @dataclasses.dataclass(frozen=True)
 class Window:
     """tokens: int32 [n + 1] (n <= seq_len); score_from: the first scored target index;
-    truncated: tokens were cut from the left to fit."""
+    truncated: tokens were cut from the left to fit; unscored: continuation tokens among those
+    cut (a continuation longer than the row: only its last `seq_len` tokens are scored)."""
 
     tokens: np.ndarray
     score_from: int
     truncated: bool = False
+    unscored: int = 0
 
     @property
     def scored(self) -> int:
@@ -51,22 +54,25 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
 
 
 def choice_window(context: Sequence[int], continuation: Sequence[int], seq_len: int) -> Window:
-    """The window scoring `continuation` after `context`, cut from the left to `seq_len + 1`.
+    """The window scoring `continuation` after `context`, cut from the left to `seq_len + 1`
+    (lm-evaluation-harness's `(context + continuation)[-(max_length + 1):]`): a continuation
+    longer than `seq_len` keeps its last `seq_len` tokens scored (`Window.unscored` says how
+    many were cut).
 
     Raises:
-        ValueError: `continuation` is empty or longer than `seq_len`, or `context` is empty.
+        ValueError: `continuation` or `context` is empty.
     """
     if not continuation or not context:
         raise ValueError(
             f"context and continuation must each hold a token, got {len(context)} and "
             f"{len(continuation)}"
         )
-    if len(continuation) > seq_len:
-        raise ValueError(f"continuation of {len(continuation)} tokens > seq_len={seq_len}")
     tokens = np.asarray([*context, *continuation], np.int32)
     truncated = len(tokens) > seq_len + 1
     tokens = tokens[-(seq_len + 1) :]
-    return Window(tokens, len(tokens) - 1 - len(continuation), truncated)
+    score_from = max(0, len(tokens) - 1 - len(continuation))
+    unscored = len(continuation) - (len(tokens) - 1 - score_from)
+    return Window(tokens, score_from, truncated, unscored)
 
 
 def rolling_windows(ids: Sequence[int], seq_len: int) -> list[Window]:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from nvfp4_train.errors import ConfigError
+from nvfp4_train.observe.output_files import refuse_existing
 from nvfp4_train.tasks import Task, TaskError, TaskResult, load_task, score_task
 from nvfp4_train.tasks.scoring import document_windows, request_window
 from nvfp4_train.tasks.windows import score_windows
@@ -89,6 +90,11 @@ def format_table(results: Sequence[TaskResult]) -> str:
             err = "" if err is None else f"{err:.4f}"
             lines.append(f"{result.name:<24} {metric:<16} {m[metric]:>10.4f} {err:>9} "
                          f"{m['examples']:>6} {m['truncated']:>6}")  # fmt: skip
+    for result in results:
+        if result.metrics.get("continuations_cut"):
+            lines.append(f"note: {result.name}: {result.metrics['continuations_cut']} choice(s) "
+                         "longer than a row were scored on their last tokens only "
+                         "(continuations_cut)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -215,17 +221,22 @@ def evaluate_run_tasks(
 
     Raises:
         TaskError: a task file that cannot be read or scored.
-        ConfigError: not a run directory, no checkpoint, an `output` that exists, or a
-            `batch_size` < 1.
+        ConfigError: not a run directory, no checkpoint, an `output` that exists or whose
+            directory does not, or a `batch_size` < 1.
     """
     if forward not in EVAL_FORWARDS:
         raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    if output is not None and Path(output).exists():
-        raise ConfigError(f"{str(output)!r} exists; not overwriting it (remove it or choose -o)")
+    if output is not None:
+        refuse_existing(output)
+    if output is not None and not Path(output).parent.is_dir():
+        raise ConfigError(f"-o {str(output)!r}: the directory {str(Path(output).parent)!r} does "
+                          "not exist (checked before scoring)")  # fmt: skip
     stream = sys.stdout if stream is None else stream
     tasks = load_tasks(task_paths)  # task mistakes before anything slow
+    for line in (w for task in tasks for w in task.warnings()):
+        print(line, file=stream, flush=True)
     scorer = run_scorer(run_dir, forward=forward, stream=stream)
     progress = _Progress(sys.stderr)
     try:

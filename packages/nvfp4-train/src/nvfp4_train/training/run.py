@@ -89,6 +89,8 @@ def _run(
     note = attention_heads_note(dict(mesh.shape), cfg.model.num_heads, cfg.model.num_kv_heads)
     if note:
         say(note)
+    for line in (w for task in tasks for w in task.warnings()):
+        say(line)
     with run_context(cfg, mesh), run_checkpoints(cfg, run_dir) as ckpts:
         graphdef, state, start = resume_or_init(
             cfg, run_dir, ckpts, iterator, run_dir / METRICS_FILE, say, mesh
