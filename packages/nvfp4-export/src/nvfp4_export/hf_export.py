@@ -9,17 +9,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nvfp4_export.calibrate import amax_from_stats, calibrate, calibration_tokens
 from nvfp4_export.checkpoint import (
     QUANT_STATS_ITEM,
     Checkpoint,
+    CheckpointRef,
     read_checkpoint,
     resolve_checkpoint,
 )
 from nvfp4_export.errors import ExportError
-from nvfp4_export.expert_scales import refuse_mixed_experts, resolve_expert_amax
+from nvfp4_export.expert_scales import refuse_mixed_experts
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16, FORMATS, MODELOPT, calibrated_input
+from nvfp4_export.formats import BF16
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -30,6 +30,12 @@ from nvfp4_export.hf_files import (
     generation_config,
     hf_config,
     special_token_ids,
+)
+from nvfp4_export.input_scales import (
+    InputAmax,
+    input_amax,
+    refuse_per_token_w4a4,
+    weight_only_fallback,
 )
 from nvfp4_export.json_files import write_json
 from nvfp4_export.layouts import (
@@ -48,8 +54,8 @@ from nvfp4_export.model_spec import (
     spec_from_config,
 )
 from nvfp4_export.output_dir import atomic_output, check_target
-from nvfp4_export.policy import linear_recipes, weight_format
-from nvfp4_export.reload import PROVENANCE_FILE, weights_from_checkpoint
+from nvfp4_export.policy import linear_recipes
+from nvfp4_export.reload import PROVENANCE_FILE
 from nvfp4_export.servers import check_servers
 from nvfp4_export.shard_writer import ShardWriter, TensorSlot
 
@@ -84,102 +90,6 @@ class ExportResult:
     seconds: float
     notes: tuple[str, ...]
     calibration: dict[str, Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class InputAmax:
-    """Activation amax per quantized linear path, where it came from ("quant_stats",
-    "calibration" or None), the calibration's facts (`ExportResult.calibration`) and notes."""
-
-    amax: dict[str, float]
-    source: str | None
-    calibration: dict[str, Any] | None = None
-    notes: tuple[str, ...] = ()
-
-
-def _calibrated(ckpt, spec, recipes, n: int, text: Path | None, log) -> InputAmax:
-    """Input amax from a calibration pass over (up to) `n` sequences, saying how many it used."""
-    tokens = calibration_tokens(n, ckpt.reference, text, ckpt.tokenizer_dir, spec.max_seq_len)
-    used, length = (int(d) for d in tokens.shape)
-    where = f"--calibration-text {str(text)!r}" if text else "the checkpoint's reference item"
-    log(f"calibrating input scales on {used} sequences of {length} tokens from {where}")
-    notes = ()
-    if used < n:
-        notes = (f"calibrated on {used} sequences, fewer than the {n} asked: {where} holds only "
-                 f"{used} sequences of {length} tokens",)  # fmt: skip
-    info = {"sequences": used, "requested": n, "tokens_per_sequence": length,
-            "from": "calibration-text" if text else "reference"}  # fmt: skip
-    weights = weights_from_checkpoint(ckpt, spec, recipes, {})
-    return InputAmax(calibrate(weights, tokens), "calibration", info, notes)
-
-
-def _input_amax(ckpt, spec, recipes, calibrate_n: int | None, calibration_text, log,
-                allow_uncalibrated: bool = False) -> InputAmax:  # fmt: skip
-    if calibrate_n is not None:
-        found = _calibrated(ckpt, spec, recipes, calibrate_n, calibration_text, log)
-    else:
-        stats = amax_from_stats(ckpt.quant_stats, spec.linear_paths())
-        found = InputAmax(stats, QUANT_STATS_ITEM if stats else None)
-    if not (spec.num_experts and found.amax):
-        return found
-    amax, notes = resolve_expert_amax(spec, recipes, found.amax,
-                                      allow_uncalibrated=allow_uncalibrated)  # fmt: skip
-    return dataclasses.replace(found, amax=amax, notes=found.notes + notes)
-
-
-def _weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]:
-    """Refuse, or warn about, a weight-only export nobody asked for.
-
-    Without activation amax (no `quant_stats` in the checkpoint, no --calibrate) an NVFP4 export
-    can only be weight-only. ModelOpt's W4A16_NVFP4 is refused by SGLang and by vLLM releases
-    whose QUANT_ALGOS lack it, so that is an error unless --weight-only says it is meant;
-    compressed-tensors weight-only loads in transformers and vLLM, so that is a warning.
-
-    Raises:
-        ExportError: a ModelOpt export would silently become W4A16_NVFP4.
-    """
-    if not calibrated_input(plan.fmt) or plan.w4a4 or weight_only:
-        return ()
-    why = (
-        f"the checkpoint has no {QUANT_STATS_ITEM}.activation_amax for every "
-        f"{FORMATS[plan.fmt].label} linear and --calibrate was not given, so there are no input "
-        "scales"
-    )
-    if plan.layout == MODELOPT:
-        raise ExportError(
-            f"{why}: a W4A4 ModelOpt export (quant_algo NVFP4) needs them. Pass --calibrate N "
-            "(input scales from N sequences of the run's validation data), or --weight-only "
-            "for W4A16_NVFP4, which SGLang and older vLLM releases refuse (docs/export.md)"
-        )
-    return (
-        f"{why}: exported WEIGHT-ONLY (W4A16, no input scales); vLLM and transformers load it, "
-        "vLLM runs it W4A16 (Marlin), TensorRT-LLM does not load it. Pass --calibrate N for "
-        "W4A4, or --weight-only to say weight-only is meant",
-    )
-
-
-def _refuse_per_token_w4a4(plan: LayoutPlan, recipes: dict[str, str]) -> None:
-    """A W4A4 export of linears trained with per-token activation scales is an error.
-
-    Their weights are standard NVFP4, but compressed-tensors' and ModelOpt's NVFP4 W4A4 layouts
-    (and so vLLM, SGLang, TensorRT-LLM and transformers) quantize activations with ONE static
-    input global scale per tensor: the served model would compute with other activation
-    numerics than it was trained with.
-
-    Raises:
-        ExportError: naming the first such linear and the way out (--weight-only).
-    """
-    if not plan.w4a4:
-        return
-    for path, recipe in recipes.items():
-        if weight_format(recipe, path).input_outer_scale != "tensor":
-            raise ExportError(
-                f"linear {path!r} was trained with recipe {recipe!r}, whose activations have "
-                "one outer scale per token; no server's NVFP4 W4A4 layout holds per-token "
-                "activation scales (they apply one static input scale per tensor), so a W4A4 "
-                "export would not compute what the model trained with. Export --weight-only "
-                "(W4A16: the weights are standard NVFP4 and load everywhere)"
-            )
 
 
 def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, inputs, plan, servers, checked) -> dict:
@@ -295,35 +205,75 @@ def export_hf(
         out_dir: the directory to create (written beside it first, renamed at the end).
         layout: "modelopt" or "compressed-tensors" (MXFP4 runs: compressed-tensors only).
         weight_only: write no input scales even when activation amax is available.
-        step: the checkpoint step (default: the newest).
-        overwrite: replace an existing `out_dir`.
-        calibrate_n: run a calibration pass over this many sequences (>= 1) for the input
-            scales; None (the default) runs none.
-        calibration_text: a text file to draw calibration sequences from.
+        step: the checkpoint step (default: the newest); overwrite: replace an existing `out_dir`.
+        calibrate_n, calibration_text: run a calibration pass over this many sequences (>= 1;
+            None, the default: none) for the input scales, drawn from that text file when given.
         max_shard_bytes: split weights into shards of at most this size (plus an index).
         servers: the servers the export is for (`servers.SERVERS`: "vllm", "sglang",
             "tensorrt-llm", "transformers"); default every server that loads the layout and mode.
         allow_dropped_tensors: export even when one of `servers` would drop a trained tensor (a
             Qwen 3 `o_proj` bias in vLLM), with a warning in `notes`, instead of refusing.
         integrity_check: compare the checkpoint's parameters, config and quant_stats with the
-            checksums of its `integrity` item, which must exist. False exports it as found on
-            disk, with a warning in `notes`.
+            checksums of its `integrity` item, which must exist; False: as found, with a note.
         allow_uncalibrated_experts: an MoE block whose experts have no input amax for a
-            projection takes the model's largest amax of that projection (warned) instead of
-            being refused (`expert_scales`).
-        log: receives progress messages and notes.
-        progress: called with an `ExportProgress` after each checkpoint tensor is written.
+            projection takes the model's largest amax of it (warned) instead of being refused.
+        log, progress: receive messages and notes / an `ExportProgress` after each tensor.
 
     Raises:
-        ExportError: bad checkpoint, layout, dimensions or output path; a model whose
-            architecture cannot hold its biases and norms; a ModelOpt export without input
-            scales that was not asked to be weight-only; a named server that does not load the
-            layout or mode, or one that would drop a trained tensor (nothing is left behind).
+        ExportError: bad checkpoint, layout, dimensions or output path; an architecture that
+            cannot hold its biases and norms; a ModelOpt export without input scales not asked
+            to be weight-only; a named server that does not load the layout or mode, or would
+            drop a trained tensor (nothing is left behind).
 
     Example:
         >>> export_hf("runs/tiny", "runs/tiny-hf", layout="compressed-tensors")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    job = _prepare_export(
+        checkpoint, out_dir, layout, weight_only, step, overwrite, calibrate_n, calibration_text,
+        servers, allow_dropped_tensors, integrity_check, allow_uncalibrated_experts, log,
+    )  # fmt: skip
+    files = _write_export(job, overwrite, max_shard_bytes, progress)
+    return _finish(job, files, start, log)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExportJob:
+    """What an export writes, decided (and every refusal made) before its first byte is written.
+
+    `notes` are the warnings for the user; `targets` the servers it was checked for.
+    """
+
+    ref: CheckpointRef
+    out_dir: Path
+    ckpt: Checkpoint
+    spec: LlamaSpec
+    recipes: dict[str, str]
+    inputs: InputAmax
+    planned: list[ExportedLinear]
+    plan: LayoutPlan
+    notes: tuple[str, ...]
+    targets: tuple[str, ...]
+    provenance: dict
+
+
+def _prepare_export(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    layout: str,
+    weight_only: bool,
+    step: int | None,
+    overwrite: bool,
+    calibrate_n: int | None,
+    calibration_text: str | Path | None,
+    servers: Sequence[str] | None,
+    allow_dropped_tensors: bool,
+    integrity_check: bool,
+    allow_uncalibrated_experts: bool,
+    log: Callable[[str], None],
+) -> _ExportJob:
+    """`export_hf` up to writing: check the request and the target, read the checkpoint, take the
+    input amax (calibrating if asked), plan the linears and the layout, check the servers."""
     out_dir = Path(out_dir)
     plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
     if calibrate_n is not None and calibrate_n < 1:
@@ -340,34 +290,64 @@ def export_hf(
     inputs = (
         InputAmax({}, None)
         if weight_only
-        else _input_amax(ckpt, spec, recipes, calibrate_n, text, log, allow_uncalibrated_experts)
+        else input_amax(ckpt, spec, recipes, calibrate_n, text, log, allow_uncalibrated_experts)
     )
-    amax = inputs.amax
     log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
-    shapes = ckpt.params.shapes
+    planned, plan = _plan_linears(
+        spec, ckpt.params.shapes, recipes, inputs.amax, layout, weight_only
+    )
+    refuse_per_token_w4a4(plan, recipes)
+    notes = ckpt.notes + inputs.notes + weight_only_fallback(plan, weight_only)  # before writing
+    targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
+    notes += dropped
+    provenance = _provenance(ckpt, spec, recipes, inputs, plan, targets, integrity_check)
+    return _ExportJob(
+        ref, out_dir, ckpt, spec, recipes, inputs, planned, plan, notes, targets, provenance
+    )
+
+
+def _plan_linears(
+    spec: LlamaSpec,
+    shapes,
+    recipes: dict[str, str],
+    amax: dict[str, float],
+    layout: str,
+    weight_only: bool,
+) -> tuple[list[ExportedLinear], LayoutPlan]:
+    """Every exported linear (shapes and formats, nothing quantized yet) and the layout plan; the
+    MoE routers stay BF16."""
     planned: list[ExportedLinear] = []
     for path in spec.linear_paths():
         in_features = shapes[f"{path}.kernel"][-2]
         planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path))
     routers = tuple(t.hf_name.removesuffix(".weight") for i in spec.moe_layers()
                     for t in moe_dense_entries(spec, i))  # fmt: skip
-    plan = plan_layout(layout, planned, weight_only=weight_only, always_bf16=routers)
-    _refuse_per_token_w4a4(plan, recipes)
-    notes = ckpt.notes + inputs.notes + _weight_only_fallback(plan, weight_only)  # before writing
-    targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
-    notes += dropped
-    provenance = _provenance(ckpt, spec, recipes, inputs, plan, targets, integrity_check)
-    slots = _weight_slots(spec, shapes, planned, plan)
+    return planned, plan_layout(layout, planned, weight_only=weight_only, always_bf16=routers)
+
+
+def _write_export(
+    job: _ExportJob, overwrite: bool, max_shard_bytes: int, progress: Callable
+) -> list[str]:
+    """Writes the directory beside `job.out_dir` and renames it into place; returns its files."""
+    slots = _weight_slots(job.spec, job.ckpt.params.shapes, job.planned, job.plan)
     stream = functools.partial(
-        _stream_weights, ckpt=ckpt, spec=spec, recipes=recipes, amax=amax, plan=plan,
-        progress=progress,
+        _stream_weights, ckpt=job.ckpt, spec=job.spec, recipes=job.recipes,
+        amax=job.inputs.amax, plan=job.plan, progress=progress,
     )  # fmt: skip
-    with atomic_output(out_dir, overwrite=overwrite, source=ref) as tmp:
-        files = _write_dir(tmp, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes)
+    with atomic_output(job.out_dir, overwrite=overwrite, source=job.ref) as tmp:
+        return _write_dir(
+            tmp, job.ckpt, job.spec, slots, stream, job.plan, job.provenance, max_shard_bytes
+        )
+
+
+def _finish(job: _ExportJob, files: list[str], start: float, log) -> ExportResult:
+    """Logs the notes as warnings and says what was written (`ExportResult`)."""
+    out_dir, plan, inputs = job.out_dir, job.plan, job.inputs
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
-    for note in notes:
+    for note in job.notes:
         log("warning: " + note)
     return ExportResult(
-        out_dir, ckpt.ref.step, plan, inputs.source if plan.w4a4 else None, targets, tuple(files),
-        total, time.perf_counter() - start, notes, inputs.calibration if plan.w4a4 else None,
+        out_dir, job.ckpt.ref.step, plan, inputs.source if plan.w4a4 else None, job.targets,
+        tuple(files), total, time.perf_counter() - start, job.notes,
+        inputs.calibration if plan.w4a4 else None,
     )  # fmt: skip

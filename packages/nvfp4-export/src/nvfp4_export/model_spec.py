@@ -22,7 +22,6 @@ layers.{i}.mlp.shared_gate.kernel [D, 1] (`moe_spec`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +44,7 @@ from nvfp4_export.moe_spec import (
     router_tensor,
     shared_gate_tensor,
 )
+from nvfp4_export.rope import ROPE_TYPES, rope_inv_freq, scaled_rope
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -56,7 +56,6 @@ ARCHITECTURES = {
     **{kind: names.hf_class for kind, names in MOE_CLASSES.items()},
 }
 """Hugging Face `model_type` -> its causal-LM class (config.json `architectures`)."""
-ROPE_TYPES = ("default", "linear", "llama3")
 ARCHITECTURE_OPTIONS = {
     "llama": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},
               {"qkv_bias": True, "o_bias": True, "qk_norm": False}),
@@ -114,35 +113,8 @@ class LlamaSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ExportError(f"model.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
-        if self.architecture not in ARCHITECTURES:
-            raise ExportError(
-                f"model.architecture must be one of {sorted(ARCHITECTURES)}, got "
-                f"{self.architecture!r}"
-            )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ExportError(
-                f"model.rope_scaling.rope_type {rope_type!r} is not one of {ROPE_TYPES}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ExportError(
-                f"model.num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}"
-            )
-        widths = {
-            "d_model": self.d_model,
-            "mlp_dim": self.mlp_dim,
-            "num_heads * head_dim": self.num_heads * self.head_dim,
-            "model.moe.expert_mlp_dim": self.expert_mlp_dim,
-            "the shared experts' width": self.shared_mlp_dim,
-        }
-        for name, width in widths.items():
-            if width % 16:
-                raise ExportError(
-                    f"{name} must be a multiple of 16 (NVFP4 blocks are 16 wide along a linear's "
-                    f"input), got {width}"
-                )
+        _check_choices(self)
+        _check_widths(self)
 
     @property
     def qkv_split(self) -> tuple[int, int, int]:
@@ -153,27 +125,11 @@ class LlamaSpec:
     @property
     def scaled_rope(self) -> dict[str, Any] | None:
         """`rope_scaling` unless it is None or of rope_type "default" (then None)."""
-        scaling = self.rope_scaling or {}
-        return dict(scaling) if scaling.get("rope_type", "default") != "default" else None
+        return scaled_rope(self.rope_scaling)
 
     def rope_inv_freq(self) -> np.ndarray:
         """float32 [head_dim / 2] RoPE frequencies, scaled by `rope_scaling` (HF's formulas)."""
-        half = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
-        inv_freq = (1.0 / (np.float32(self.rope_theta) ** half)).astype(np.float32)
-        scaling = self.scaled_rope
-        if scaling is None:
-            return inv_freq
-        factor = np.float32(scaling["factor"])
-        if scaling["rope_type"] == "linear":
-            return (inv_freq / factor).astype(np.float32)
-        low, high = np.float32(scaling["low_freq_factor"]), np.float32(scaling["high_freq_factor"])
-        old = np.float32(scaling["original_max_position_embeddings"])
-        wavelen = np.float32(2 * math.pi) / inv_freq
-        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq).astype(np.float32)
-        smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old / high) & (wavelen <= old / low)
-        return np.where(medium, smoothed, scaled).astype(np.float32)
+        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
 
     def has(self, t: DenseTensor) -> bool:
         """Whether a model of this spec has dense tensor `t` (`dense_names`): it has no flag, or
@@ -249,6 +205,40 @@ class LlamaSpec:
         if self.shared_expert_gate:
             shapes["mlp.shared_gate.kernel"] = (d, 1)
         return shapes
+
+
+def _check_choices(spec: LlamaSpec) -> None:
+    """ExportError unless the spec's dtype, architecture and RoPE type are ones export writes."""
+    if spec.dtype not in COMPUTE_DTYPES:
+        raise ExportError(f"model.dtype must be one of {COMPUTE_DTYPES}, got {spec.dtype!r}")
+    if spec.architecture not in ARCHITECTURES:
+        raise ExportError(
+            f"model.architecture must be one of {sorted(ARCHITECTURES)}, got {spec.architecture!r}"
+        )
+    rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ExportError(f"model.rope_scaling.rope_type {rope_type!r} is not one of {ROPE_TYPES}")
+
+
+def _check_widths(spec: LlamaSpec) -> None:
+    """ExportError unless the kv heads divide the heads and each linear input is 16-blocked."""
+    if spec.num_heads % spec.num_kv_heads:
+        raise ExportError(
+            f"model.num_kv_heads must divide num_heads={spec.num_heads}, got {spec.num_kv_heads}"
+        )
+    widths = {
+        "d_model": spec.d_model,
+        "mlp_dim": spec.mlp_dim,
+        "num_heads * head_dim": spec.num_heads * spec.head_dim,
+        "model.moe.expert_mlp_dim": spec.expert_mlp_dim,
+        "the shared experts' width": spec.shared_mlp_dim,
+    }
+    for name, width in widths.items():
+        if width % 16:
+            raise ExportError(
+                f"{name} must be a multiple of 16 (NVFP4 blocks are 16 wide along a linear's "
+                f"input), got {width}"
+            )
 
 
 def moe_dense_entries(spec: LlamaSpec, i: int) -> list[DenseTensor]:

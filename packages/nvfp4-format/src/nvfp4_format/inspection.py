@@ -136,6 +136,61 @@ def _scalar_scale(
     return (1.0 / value if encode else value), problems
 
 
+def _block_scale_findings(
+    q: QuantizedModule,
+    tensors: Mapping[str, TensorInfo],
+    shape: tuple[int, ...],
+    read: Callable[[str], np.ndarray],
+    chunks: Callable[[str], Iterable[np.ndarray]],
+) -> tuple[BlockScaleStats | None, list[str]]:
+    """Checks and measures the block scales; returns (their statistics or None, problems).
+
+    No statistics when they are missing or stored in a dtype that is not a float (nor E8M0).
+    """
+    names = LAYOUT_NAMES[q.layout]
+    if q.block_scales is None:
+        return None, [f"missing block scales ({names.tensor(q.module, names.block_scales)})"]
+    scale_info = tensors[q.block_scales]
+    problems = _scale_problems(q, shape, scale_info)
+    e8m0 = q.layout == LAYOUT_CT_MXFP4
+    if not (e8m0 or scale_info.dtype in _FLOAT_DTYPES):
+        return None, problems
+    stored = read(q.block_scales)
+    if stored.dtype.itemsize == 1:
+        counts = byte_counts(chunks(q.block_scales))
+        block_stats = scale_statistics_of_counts(counts, stored.dtype, e8m0)
+    else:
+        block_stats = block_scale_statistics(stored, e8m0=e8m0)
+    if block_stats.nan_count:
+        problems.append(f"{block_stats.nan_count} NaN block scales in {q.block_scales}")
+    if block_stats.negative_count:
+        problems.append(f"{block_stats.negative_count} negative block scales in {q.block_scales}")
+    return block_stats, problems
+
+
+def _tensor_scale_findings(
+    q: QuantizedModule, tensors: Mapping[str, TensorInfo], read: Callable[[str], np.ndarray]
+) -> tuple[float | None, float | None, list[str]]:
+    """Reads the tensor-wide scales; returns (global decode scale, input decode scale, problems).
+
+    A layout that names a global scale but lacks it is a problem; the input scale is optional.
+    """
+    names = LAYOUT_NAMES[q.layout]
+    encode = names.scales_encode
+    problems: list[str] = []
+    global_decode = None
+    if q.global_scale is not None:
+        global_decode, found = _scalar_scale(q.global_scale, tensors[q.global_scale], read, encode)
+        problems += found
+    elif names.global_scale is not None:
+        problems.append(f"missing global scale ({names.tensor(q.module, names.global_scale)})")
+    input_decode = None
+    if q.input_scale is not None:
+        input_decode, found = _scalar_scale(q.input_scale, tensors[q.input_scale], read, encode)
+        problems += found
+    return global_decode, input_decode, problems
+
+
 def inspect_module(
     q: QuantizedModule,
     tensors: Mapping[str, TensorInfo],
@@ -157,41 +212,10 @@ def inspect_module(
         scales, missing or non-positive global scale) are listed, never raised.
     """
     chunks = read_bytes or (lambda name: array_chunks(read(name)))
-    packed = tensors[q.packed]
-    shape = _logical_shape(packed)
-    problems: list[str] = []
-    block_stats = None
-    names = LAYOUT_NAMES[q.layout]
-    if q.block_scales is None:
-        problems.append(f"missing block scales ({names.tensor(q.module, names.block_scales)})")
-    else:
-        scale_info = tensors[q.block_scales]
-        problems += _scale_problems(q, shape, scale_info)
-        e8m0 = q.layout == LAYOUT_CT_MXFP4
-        if e8m0 or scale_info.dtype in _FLOAT_DTYPES:
-            stored = read(q.block_scales)
-            if stored.dtype.itemsize == 1:
-                counts = byte_counts(chunks(q.block_scales))
-                block_stats = scale_statistics_of_counts(counts, stored.dtype, e8m0)
-            else:
-                block_stats = block_scale_statistics(stored, e8m0=e8m0)
-            if block_stats.nan_count:
-                problems.append(f"{block_stats.nan_count} NaN block scales in {q.block_scales}")
-            if block_stats.negative_count:
-                problems.append(
-                    f"{block_stats.negative_count} negative block scales in {q.block_scales}"
-                )
-    global_decode = None
-    encode = names.scales_encode
-    if q.global_scale is not None:
-        global_decode, found = _scalar_scale(q.global_scale, tensors[q.global_scale], read, encode)
-        problems += found
-    elif names.global_scale is not None:
-        problems.append(f"missing global scale ({names.tensor(q.module, names.global_scale)})")
-    input_decode = None
-    if q.input_scale is not None:
-        input_decode, found = _scalar_scale(q.input_scale, tensors[q.input_scale], read, encode)
-        problems += found
+    shape = _logical_shape(tensors[q.packed])
+    block_stats, problems = _block_scale_findings(q, tensors, shape, read, chunks)
+    global_decode, input_decode, found = _tensor_scale_findings(q, tensors, read)
+    problems += found
     codes = code_statistics_of_counts(byte_counts(chunks(q.packed)))
     weight_names = (q.packed, q.block_scales, q.global_scale)
     weight_bytes = sum(tensors[n].nbytes for n in weight_names if n is not None)

@@ -145,7 +145,7 @@ def quantize(
     error_metric: str = "mse",
     outer_scale: str = "tensor",
 ) -> NVFP4Array:
-    """Quantize `x` to NVFP4 with blocks along the last axis.
+    """Quantize `x` to NVFP4 with blocks along the last axis (formulas: the module docstring).
 
     Args:
       x: floating array [..., K] (K % 16 == 0); for (16, 16) at least 2-D with rows % 16 == 0.
@@ -154,30 +154,23 @@ def quantize(
       global_amax: the amax that sets the tensor scale; defaults to max|x|. Pass the max over a
         group of tensors (fused q/k/v, gate/up) so they share one global scale. With
         outer_scale="row": one amax per row, shape [..., 1] or [...] (x.shape[:-1]).
-      rounding: "rne" or "stochastic" (gradients).
-      uniform: for "stochastic", uniform random numbers in [0, 1) with the shape of `x`.
-      block_scale_rule: "max" (standard: each block's amax maps to 6) or "4over6" (Four Over Six:
-        per block, the better of amax -> 6 and amax -> 4, with the tensor scale
-        amax / (6 * 256); see `nvfp4_format.four_over_six`). The result is standard NVFP4 either
-        way. With stochastic rounding the choice is made on the RNE encodings' errors.
-      error_metric: for "4over6", what "better" means per block: "mse" (sum of squared errors),
-        "l1" (sum of absolute errors) or "max_abs" (largest absolute error). Ties keep amax -> 6.
-      outer_scale: "tensor" (one FP32 decode scale, `global_scale` shape ()) or "row" (1x16
-        blocks only: one per row, i.e. per index of x's leading axes, from that row's amax over
-        the last axis; `global_scale` [..., 1]). Each row then quantizes exactly as that row
-        alone with "tensor": same codes, block scales, zero handling (an all-zero row gets
-        scale 1) and non-finite marking (only that row's scale is NaN).
-
-    Returns:
-      An `NVFP4Array`.
+      rounding: "rne" or "stochastic" (gradients); `uniform`: then [0, 1) randoms shaped as `x`.
+      block_scale_rule: "max" (each block's amax maps to 6) or "4over6" (per block the better of
+        amax -> 6 and amax -> 4, tensor scale amax / (6 * 256); `nvfp4_format.four_over_six`;
+        standard NVFP4 either way; under stochastic rounding chosen on the RNE errors).
+      error_metric: for "4over6", "better" per block: "mse" (sum of squared errors), "l1" (sum
+        of absolute errors) or "max_abs" (largest absolute error). Ties keep amax -> 6.
+      outer_scale: "tensor" (one FP32 decode scale, shape ()) or "row" (1x16 blocks only: one
+        per index of x's leading axes from that row's amax, [..., 1]). Each row then quantizes
+        exactly as alone with "tensor": same codes, block scales, zero handling (an all-zero
+        row gets scale 1) and non-finite marking (only that row's scale is NaN).
 
     Raises:
       TypeError: `x` is not floating.
       ValueError: shapes that do not tile, NaN/Inf in NumPy input, bad `global_amax`, unknown
-        `block_scale_rule` / `error_metric` / `outer_scale`, outer_scale="row" with 16x16 tiles,
-        or stochastic rounding without `uniform`. With JAX input non-finite values give a NaN
-        `global_scale` instead (jit cannot raise), so `dequantize` returns NaN, never a finite
-        lie.
+        rule / metric / outer scale, "row" with 16x16 tiles, or stochastic without `uniform`.
+        Non-finite JAX input gives a NaN `global_scale` instead (jit cannot raise), so
+        `dequantize` returns NaN, never a finite lie.
 
     Example:
       >>> q = quantize(np.linspace(-3, 3, 32, dtype=np.float32))
@@ -190,19 +183,71 @@ def quantize(
       >>> quantize(rows, outer_scale="row").global_scale.shape
       (2, 1)
     """
+    xp, block_shape = _check_arguments(
+        x, block_shape, global_amax, uniform, rounding, block_scale_rule, error_metric, outer_scale
+    )
+    if x.size == 0:
+        return _empty(xp, tuple(x.shape), block_shape, outer_scale)
+    block_amax = _checked_block_amax(xp, x, block_shape, rounding, uniform)
+    s_dec, scales, global_scale = _decode_scales(
+        xp, x, block_amax, global_amax, block_shape, block_scale_rule, error_metric, outer_scale
+    )
+    packed, scales = _encode(xp, x, scales, s_dec, block_shape, rounding, uniform)
+    return NVFP4Array(packed, scales, global_scale, shape=tuple(x.shape), block_shape=block_shape)
+
+
+def _check_arguments(
+    x: Any,
+    block_shape: Any,
+    global_amax: Any,
+    uniform: Any,
+    rounding: str,
+    block_scale_rule: str,
+    error_metric: str,
+    outer_scale: str,
+) -> tuple[Any, tuple[int, int]]:
+    """`quantize`'s checks that need no pass over `x`; returns (array namespace, block_shape)."""
     check_float("x", x)
     xp = namespace(x, global_amax, uniform)
     check_rounding(rounding)
     check_block_scale_rule(block_scale_rule, error_metric)
     block_shape = _check_block_shape(block_shape, tuple(x.shape))
     check_outer_scale(outer_scale, block_shape)
-    if x.size == 0:
-        return _empty(xp, tuple(x.shape), block_shape, outer_scale)
+    return xp, block_shape
+
+
+def _checked_block_amax(
+    xp: Any, x: Any, block_shape: tuple[int, int], rounding: str, uniform: Any
+) -> Any:
+    """The first pass over `x`: its per-block amaxes, then the checks on values.
+
+    NumPy input with NaN/Inf (seen in the block amaxes) raises; stochastic rounding needs
+    `uniform` shaped as `x`.
+    """
     block_amax = per_block_amax(xp, x, block_shape)
     if not is_jax_array(block_amax) and block_amax.size and not np.isfinite(block_amax.max()):
         check_finite("x", x)  # NaN and Inf reach the block amaxes; this names the first one
     if rounding == "stochastic":
         check_uniform("uniform", uniform, tuple(x.shape))
+    return block_amax
+
+
+def _decode_scales(
+    xp: Any,
+    x: Any,
+    block_amax: Any,
+    global_amax: Any,
+    block_shape: tuple[int, int],
+    block_scale_rule: str,
+    error_metric: str,
+    outer_scale: str,
+) -> tuple[Any, Any, Any]:
+    """The scales from the block amaxes: (s_dec, E4M3 block decode scales, stored global_scale).
+
+    s_dec is the tensor's (per row: each row's) float32 decode scale 1 / s_enc; the block scales
+    follow `block_scale_rule`, one per block (16x16 tile); `global_scale` is s_dec marked NaN
+    where the input was not finite.
+    """
     amax = outer_amax(xp, block_amax, global_amax, outer_scale)
     s_enc = global_encode_scale(amax, block_scale_rule=block_scale_rule)
     s_dec = (xp.float32(1.0) / s_enc).astype(xp.float32)
@@ -210,23 +255,39 @@ def quantize(
         scales = select_block_scales(xp, x, block_amax, s_enc, s_dec, block_shape, error_metric)
     else:
         scales = e4m3_block_scales(xp, block_amax, s_enc, E2M1_MAX)
-    packed = encode_blocks(xp, x, scales, s_dec, block_shape, rounding, uniform)
+    return s_dec, scales, _marked_decode_scale(xp, s_dec, amax, block_amax, outer_scale)
+
+
+def _encode(
+    xp: Any,
+    x: Any,
+    block_scales: Any,
+    s_dec: Any,
+    block_shape: tuple[int, int],
+    rounding: str,
+    uniform: Any,
+) -> tuple[Any, Any]:
+    """The second pass over `x`: (packed E2M1 codes, block scales as stored).
+
+    16x16 tiles store their scale repeated over the tile's 16 rows (the 1x16 layout).
+    """
+    packed = encode_blocks(xp, x, block_scales, s_dec, block_shape, rounding, uniform)
     if block_shape == (16, 16):
-        scales = xp.repeat(scales, BLOCK_SIZE, axis=-2)
-    # Non-finite input (JAX only; NumPy raised above) marks the tensor (row), also under
-    # `global_amax`.
+        block_scales = xp.repeat(block_scales, BLOCK_SIZE, axis=-2)
+    return packed, block_scales
+
+
+def _marked_decode_scale(xp: Any, s_dec: Any, amax: Any, block_amax: Any, outer_scale: str) -> Any:
+    """The stored float32 `global_scale`: `s_dec`, NaN where the tensor (row) saw non-finite input.
+
+    Only JAX input gets here non-finite (NumPy raised before); the marking holds also under
+    `global_amax`, whose finiteness alone would hide a NaN in `x`.
+    """
     if outer_scale == "row":
         finite = xp.isfinite(amax) & xp.isfinite(xp.max(block_amax, axis=-1, keepdims=True))
     else:
         finite = xp.isfinite(amax) & (xp.isfinite(xp.max(block_amax)) if block_amax.size else True)
-    global_scale = xp.where(finite, s_dec, xp.float32(np.nan)).astype(xp.float32)
-    return NVFP4Array(
-        packed=packed,
-        block_scales=scales,
-        global_scale=global_scale,
-        shape=tuple(x.shape),
-        block_shape=block_shape,
-    )
+    return xp.where(finite, s_dec, xp.float32(np.nan)).astype(xp.float32)
 
 
 def dequantize(a: NVFP4Array, dtype: Any = np.float32) -> Any:

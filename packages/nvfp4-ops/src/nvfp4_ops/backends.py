@@ -278,7 +278,7 @@ def unsupported(backend: str, call: Call) -> str | None:
     if not ok:
         return f"not available here: {why}"
     if backend == "te":
-        from nvfp4_ops.te_backend import TE_GROUPED_UNSUPPORTED, te_unsupported
+        from nvfp4_ops.te_requirements import TE_GROUPED_UNSUPPORTED, te_unsupported
 
         if call.grouped:
             return TE_GROUPED_UNSUPPORTED

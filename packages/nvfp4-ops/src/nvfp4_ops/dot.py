@@ -1,4 +1,21 @@
-"""`dot_general`: a drop-in for `jax.lax.dot_general` running the NVFP4 training recipe."""
+"""`dot_general`: a drop-in for `jax.lax.dot_general` running the NVFP4 training recipe.
+
+Layout: `lhs` is the activation X and `rhs` the weight W (as `flax.nnx.Linear` calls it). Any
+layout `lax.dot_general` accepts works, batch dimensions included; internally the operands become
+[B, M, K] x [B, K, N], zero-padded to multiples of `recipe.alignment` (padding changes no amax and
+no sum). Accumulation is FP32; the output has `preferred_element_type` or the promoted input
+dtype, and the gradients the dtypes of `lhs` and `rhs`.
+
+Backends (`backend=`): "emulated", "xla" or "te" (see `backend_capabilities()`): a ValueError
+saying why if that backend cannot run this call (TE runs NVFP4BlockScaling recipes on BF16
+operands without batch dimensions, writing BF16 or FP32); "auto" (default): the first of
+`auto_order()` that can, falling back per call and logging each reason once, and taking "xla" or
+"te" only after it passed `nvfp4_ops.verify_backend` in this process (until then "emulated":
+right everywhere, fast nowhere); or a tuple of names tried in that order. A name or a tuple opts
+out of the verification (the caller vouches for it, as `nvfp4-train` does after its own check).
+Neither "auto" nor a tuple gives "te" a call whose operands may span several devices
+(`backends.TE_SHARDED_CALLS_VERIFIED`).
+"""
 
 from __future__ import annotations
 
@@ -27,14 +44,10 @@ def dot_general(
 ) -> jax.Array:
     """`lax.dot_general(lhs, rhs, ...)` with the recipe's quantized Fprop, Dgrad and Wgrad GEMMs.
 
-    `lhs` is the activation X and `rhs` the weight W (as `flax.nnx.Linear` calls it). Any layout
-    `lax.dot_general` accepts works, batch dimensions included; internally the operands become
-    [B, M, K] x [B, K, N], zero-padded to multiples of `recipe.alignment` (padding changes no
-    amax and no sum). Accumulation is FP32; the output has `preferred_element_type` or the
-    promoted input dtype, and the gradients the dtypes of `lhs` and `rhs`.
-
-    Zero-size operands (an empty batch, or K = 0) have nothing to quantize: the result is the
-    exact product, `lax.dot_general`'s (empty, or zeros), with its gradients.
+    `lhs` is the activation X and `rhs` the weight W, in any layout `lax.dot_general` accepts
+    (padding, accumulation and dtypes: the module docstring). Zero-size operands (an empty batch,
+    or K = 0) have nothing to quantize: the result is the exact product, `lax.dot_general`'s
+    (empty, or zeros), with its gradients.
 
     Args:
       lhs, rhs, dimension_numbers: as `jax.lax.dot_general`.
@@ -45,15 +58,10 @@ def dot_general(
         is exactly `lax.dot_general` with JAX's own gradients.
       key: PRNG key for stochastic rounding; required when the recipe uses it (a ValueError
         otherwise). Split per GEMM inside (see `nvfp4_ops.qdot`).
-      backend: "emulated", "xla" or "te" (see `backend_capabilities()`): a ValueError saying
-        why if that backend cannot run this call (TE runs NVFP4BlockScaling recipes on BF16
-        operands without batch dimensions, writing BF16 or FP32); "auto" (default): the first
-        of `auto_order()` that can, falling back per call and logging each reason once, and
-        taking "xla" or "te" only after it passed `nvfp4_ops.verify_backend` in this process
-        (until then "emulated": right everywhere, fast nowhere); or a tuple of names tried in
-        that order. A name or a tuple opts out of the verification (the caller vouches for
-        it, as `nvfp4-train` does after its own check). Neither "auto" nor a tuple gives "te"
-        a call whose operands may span several devices (`backends.TE_SHARDED_CALLS_VERIFIED`).
+      backend: "emulated", "xla", "te", "auto" (default: the first of `auto_order()` that can
+        run the call, a native backend only once verified) or a tuple of names tried in that
+        order; a named backend that cannot run the call is a ValueError saying why. In full: the
+        module docstring, "Backends".
       out_sharding: as `lax.dot_general` (for a quantized recipe applied as a sharding
         constraint on the output).
 
@@ -73,6 +81,23 @@ def dot_general(
             preferred_element_type,
             out_sharding=out_sharding,
         )
+    return _quantized_dot_general(
+        lhs, rhs, dimension_numbers, preferred_element_type, recipe, key, backend, out_sharding
+    )
+
+
+def _quantized_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    preferred_element_type,
+    recipe: Recipe,
+    key: jax.Array | None,
+    backend: str | tuple[str, ...],
+    out_sharding,
+) -> jax.Array:
+    """`dot_general` for a quantizing `recipe`: the exact product of zero-size operands, else the
+    three quantized GEMMs on the backend selected for this call."""
     key = as_key(key, recipe)
     layout = make_layout(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(lhs, rhs))

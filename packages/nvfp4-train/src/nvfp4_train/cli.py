@@ -49,16 +49,29 @@ _OVERRIDES_HELP = "dotted overrides, e.g. train.steps=50 model.num_layers=4 prec
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The `nvfp4-train` parser: one subcommand per task, in the order `--help` lists them."""
     parser = argparse.ArgumentParser(
         prog="nvfp4-train",
         description="Pretrain Llama-style models in JAX with the NVFP4 precision policy.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(sub)
+    _add_show_config_parser(sub)
+    add_prepare_parser(sub)
+    _add_eval_parser(sub)
+    _add_plot_parser(sub)
+    return parser
 
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    """`nvfp4-train run CONFIG [key=value ...]`."""
     run = sub.add_parser("run", help="train a run (resumes if output_dir has a checkpoint)")
     run.add_argument("config", type=Path, help="the YAML config file")
     run.add_argument("overrides", nargs="*", metavar="key=value", help=_OVERRIDES_HELP)
 
+
+def _add_show_config_parser(sub: argparse._SubParsersAction) -> None:
+    """`nvfp4-train show-config CONFIG [key=value ...] [--memory] [--devices N]`."""
     show = sub.add_parser(
         "show-config",
         help="print the fully resolved config as YAML, then its precision schedule (the preset "
@@ -76,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         help="devices of the run for --memory (default: the devices here)",
     )  # fmt: skip
 
-    add_prepare_parser(sub)
 
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    """`nvfp4-train eval RUN_DIR`: validation loss, or downstream tasks with --tasks."""
     evaluate = sub.add_parser("eval", help="evaluate a run's newest checkpoint on validation data")
     evaluate.add_argument("run_dir", type=Path, help="a run directory (a run's output_dir)")
     evaluate.add_argument(
@@ -99,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-size", type=int, default=None, help="with --tasks: rows per scoring batch (8)"
     )
 
+
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    """`nvfp4-train plot RUN_DIR ...`: loss curves, or one run's --quant or --experts plots."""
     plot = sub.add_parser(
         "plot",
         help="draw the loss curves of runs on one PNG, or (--quant) a run's telemetry, or "
@@ -129,7 +146,6 @@ def _parser() -> argparse.ArgumentParser:
         "--stat", default="rel_error",
         help="the statistic --quant draws: amax, underflow, saturation or rel_error",
     )  # fmt: skip
-    return parser
 
 
 def _run(args: argparse.Namespace) -> int:

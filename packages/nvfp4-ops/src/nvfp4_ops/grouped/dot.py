@@ -1,5 +1,37 @@
 """`ragged_dot`: the NVFP4 training recipe for grouped experts, a drop-in in the spirit of
-`jax.lax.ragged_dot`."""
+`jax.lax.ragged_dot`.
+
+Each group is exactly the dense call `dot_general(x_g, w[e], recipe=recipe,
+key=jax.random.fold_in(key, e))` on its rows x_g, bit for bit, forward and both gradients:
+- Fprop x_g . W_e, Dgrad dY_g . W_e^T with the Fprop's 16x16-quantized W_e reused, Wgrad
+  x_g^T . dY_g over the group's own tokens, with the RHT and stochastic rounding where the
+  recipe has them (`nvfp4_ops.gemm_table`);
+- per-group outer (tensor) scales: each expert's weight, and each group's activations and
+  gradients, from that group's amax (as TE's PyTorch grouped NVFP4, and the serving
+  layouts' one `weight_scale_2` / `input_scale` per expert, expect);
+- padding: the Wgrad operands are blocked along the tokens (1x16 blocks and the 16-point
+  RHT; 1x32 for MXFP4), so no block may take rows of two groups: every group is padded with
+  zero rows to a multiple of `recipe.alignment`, which is exactly the zero padding its dense
+  call adds (zeros change no amax and no sum; the RHT spreads them inside the group's last
+  tile only). The groups sit in one static buffer of floor((T + E (a - 1)) / a) tiles of
+  a rows: at most E (a - 1) rows more than x, whatever the traced group sizes.
+- stochastic rounding: group e's keys are `split_keys(fold_in(key, group_offset + e))`, as
+  its dense call splits them (`group_offset` 0: `fold_in(key, e)`); the random bytes of x,
+  dY and their transposes are rebuilt from threefry counters at each element's index in its
+  group's dense operand (so `key` must be a threefry2x32 key when a token operand rounds
+  stochastically), O(T) work.
+
+Bit-exactness assumes XLA's FP32 dot computes each output row independently of the others
+and ignores zeros appended to its contraction (true of XLA:CPU, tested; see
+`nvfp4_ops.grouped.gemm`). The emulated call costs about one dense call over the T rows.
+
+Backends (`backend=`): "emulated" (exact, any device), "xla" (the same quantized operands,
+decoded, to `jax.lax.ragged_dot_general`: XLA's grouped GEMM on GPU/TPU; on CPU jax computes it
+as a masked dot over all groups), "te" (refused: TransformerEngine's grouped GEMM takes no NVFP4
+operands, `te_backend.TE_GROUPED_UNSUPPORTED`), "auto" (as for `dot_general`: the first of
+`auto_order()` that can run the call, a native backend only once verified), or a tuple tried in
+order.
+"""
 
 from __future__ import annotations
 
@@ -33,32 +65,10 @@ def ragged_dot(
 
     The grouped (Mixture-of-Experts) counterpart of `nvfp4_ops.dot_general`, shaped like
     `jax.lax.ragged_dot`: x [T, K] holds the groups' rows back to back (group e: the next
-    group_sizes[e] rows), w [E, K, N] one weight per group, y [T, N]. Rows past
-    sum(group_sizes) are padding: zero output rows, zero gradients. Differentiable in x and w.
-
-    Each group is exactly the dense call `dot_general(x_g, w[e], recipe=recipe,
-    key=jax.random.fold_in(key, e))` on its rows x_g, bit for bit, forward and both gradients:
-    - Fprop x_g . W_e, Dgrad dY_g . W_e^T with the Fprop's 16x16-quantized W_e reused, Wgrad
-      x_g^T . dY_g over the group's own tokens, with the RHT and stochastic rounding where the
-      recipe has them (`nvfp4_ops.gemm_table`);
-    - per-group outer (tensor) scales: each expert's weight, and each group's activations and
-      gradients, from that group's amax (as TE's PyTorch grouped NVFP4, and the serving
-      layouts' one `weight_scale_2` / `input_scale` per expert, expect);
-    - padding: the Wgrad operands are blocked along the tokens (1x16 blocks and the 16-point
-      RHT; 1x32 for MXFP4), so no block may take rows of two groups: every group is padded with
-      zero rows to a multiple of `recipe.alignment`, which is exactly the zero padding its dense
-      call adds (zeros change no amax and no sum; the RHT spreads them inside the group's last
-      tile only). The groups sit in one static buffer of floor((T + E (a - 1)) / a) tiles of
-      a rows: at most E (a - 1) rows more than x, whatever the traced group sizes.
-    - stochastic rounding: group e's keys are `split_keys(fold_in(key, group_offset + e))`, as
-      its dense call splits them (`group_offset` 0: `fold_in(key, e)`); the random bytes of x,
-      dY and their transposes are rebuilt from threefry
-      counters at each element's index in its group's dense operand (so `key` must be a
-      threefry2x32 key when a token operand rounds stochastically), O(T) work.
-
-    Bit-exactness assumes XLA's FP32 dot computes each output row independently of the others
-    and ignores zeros appended to its contraction (true of XLA:CPU, tested; see
-    `nvfp4_ops.grouped.gemm`). The emulated call costs about one dense call over the T rows.
+    group_sizes[e] rows), w [E, K, N] one weight per group, y [T, N]; gradients come back in the
+    dtypes of x and w. Rows past sum(group_sizes) are padding: zero output rows, zero gradients.
+    Each group is bit for bit its dense call (per-group scales, padding, keys: the module
+    docstring).
 
     Args:
       x: [T, K] activations, rows sorted by group. K a multiple of `recipe.alignment`.
@@ -68,25 +78,15 @@ def ragged_dot(
       recipe: a `Recipe` or a preset name. One that quantizes nothing ("bf16") runs
         `lax.dot_general` per group with JAX's own gradient GEMMs (on "xla": `lax.ragged_dot`).
       key: PRNG key for stochastic rounding; required when the recipe uses it.
-      backend: "emulated" (exact, any device), "xla" (the same quantized operands, decoded, to
-        `jax.lax.ragged_dot_general`: XLA's grouped GEMM on GPU/TPU; on CPU jax computes it as a
-        masked dot over all groups), "te" (refused: TransformerEngine's grouped GEMM takes no
-        NVFP4 operands, `te_backend.TE_GROUPED_UNSUPPORTED`), "auto" (as for `dot_general`:
-        the first of `auto_order()` that can run the call, a native backend only once
-        verified), or a tuple tried in order.
+      backend: "emulated", "xla", "te" (refused), "auto" or a tuple tried in order (the module
+        docstring, "Backends").
       preferred_element_type: output dtype; default the promoted dtype of x and w.
       group_offset: the global index of group 0 when w holds a slice of the experts (an int >= 0
-        or a traced int32 scalar, as `jax.lax.ragged_dot_general`'s): group e then rounds with
-        the keys of group `group_offset + e` of the whole call, so a call on a shard of the
-        experts equals those groups of the call on all of them, bit for bit. Only the keys
-        depend on it.
-
-    Returns:
-      y [T, N]; gradients come back in the dtypes of x and w.
+        or a traced int32 scalar): group e rounds with the keys of group `group_offset + e`, so
+        a shard of the experts equals those groups of the whole call, bit for bit.
 
     Raises:
-      TypeError: non-floating x or w, group_sizes not int32, or group_offset not an integer
-        scalar.
+      TypeError: non-floating x or w, group_sizes not int32, or group_offset not an integer.
       ValueError: shapes that do not fit (naming the argument, the expected and the actual),
         or a backend that cannot run the call.
 
@@ -97,10 +97,7 @@ def ragged_dot(
       ((40, 16), 0.0)
     """
     recipe = as_recipe(recipe)
-    if not hasattr(group_sizes, "dtype"):  # a list of Python ints
-        group_sizes = jnp.asarray(group_sizes, jnp.int32)
-    _check_operands(x, w, group_sizes, recipe)
-    group_offset = _offset(group_offset)
+    group_sizes, group_offset = _checked_groups(x, w, group_sizes, group_offset, recipe)
     key = as_key(key, recipe)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(x, w))
     if x.shape[0] == 0:  # nothing to quantize: the exact (empty) product
@@ -113,6 +110,15 @@ def ragged_dot(
     if key is not None and _stochastic_tokens(recipe):
         check_threefry(key)
     return _grouped(x, w, group_sizes, key, group_offset, recipe, name, out_dtype)
+
+
+def _checked_groups(x, w, group_sizes, group_offset, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
+    """(group_sizes, group_offset) as int32 arrays, after the checks of the operands' shapes and
+    dtypes (`_check_operands`) and of the offset (`_offset`)."""
+    if not hasattr(group_sizes, "dtype"):  # a list of Python ints
+        group_sizes = jnp.asarray(group_sizes, jnp.int32)
+    _check_operands(x, w, group_sizes, recipe)
+    return group_sizes, _offset(group_offset)
 
 
 def _stochastic_tokens(recipe: Recipe) -> bool:

@@ -30,6 +30,29 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 
+from nvfp4_train.observe.quant_rows import EXPERT_TOKENS, expert_path, quant_row, summarize_quant
+from nvfp4_train.observe.tensorboard_events import TensorBoard
+
+__all__ = [  # the names of `quant_rows` and `tensorboard_events` are re-exported from there
+    "EXPERT_TOKENS",
+    "MOE_FIELDS",
+    "TASK_ROW_METRICS",
+    "MetricsFile",
+    "PlainProgress",
+    "RichProgress",
+    "RunOutputs",
+    "TensorBoard",
+    "expert_path",
+    "format_row",
+    "make_progress",
+    "quant_row",
+    "read_metrics",
+    "summarize_moe",
+    "summarize_quant",
+    "summarize_window",
+    "truncate_metrics",
+]
+
 # --------------------------------------------------------------------------- pure helpers
 
 
@@ -138,95 +161,6 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-# --------------------------------------------------------------------------- quant telemetry
-
-
-EXPERT_TOKENS = "tokens"
-"""The entry an expert's x and dy roles carry besides the statistics: the expert's rows (token
-assignments) in the probed microbatch, an int."""
-
-
-def expert_path(path: str, expert: int) -> str:
-    """The telemetry path of one expert of a routed experts' grouped linear:
-    `layers.1.mlp.experts.gate_up[3]`."""
-    return f"{path}[{expert}]"
-
-
-def _host_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _host_role(values: Mapping[str, Any]) -> dict[str, Any] | None:
-    """One role's host values; None for the x or dy role of an expert that got no tokens."""
-    if EXPERT_TOKENS in values and int(values[EXPERT_TOKENS]) == 0:
-        return None
-    return {s: int(v) if s == EXPERT_TOKENS else _host_float(v) for s, v in values.items()}
-
-
-def quant_row(
-    step: int,
-    stats: Mapping[str, Mapping[str, Mapping[str, Any]]],
-    ssm: Mapping[str, Mapping[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The metrics row of one telemetry probe: `{"step": step, "quant": {path: {role: {stat:
-    float}}}}`, from the probe's output (device or host scalars; None stays None). An expert's
-    x and dy roles carry `EXPERT_TOKENS` (an int); an expert without tokens has none of them
-    (its weight roles only), so no empty statistic reaches a reader or the health checks. A model
-    with Mamba blocks adds `"ssm": {"layers.{i}": {dt_min, dt_max, dt_mean, state_norm}}`.
-
-    Example:
-        >>> quant_row(4, {}, {"layers.0": {"dt_min": 0.5}})
-        {'step': 4, 'quant': {}, 'ssm': {'layers.0': {'dt_min': 0.5}}}
-    """
-    ssm_row = {b: {k: _host_float(v) for k, v in st.items()} for b, st in (ssm or {}).items()}
-    quant = {}
-    for path, roles in stats.items():
-        host = {role: _host_role(values) for role, values in roles.items()}
-        if kept := {role: values for role, values in host.items() if values is not None}:
-            quant[path] = kept
-    return {"step": int(step), "quant": quant} | ({"ssm": ssm_row} if ssm_row else {})
-
-
-def _worst(quant: Mapping[str, Any], stat: str) -> tuple[float, str, str] | None:
-    """(value, path, role) of the largest `stat`, a non-finite or null one counting as inf;
-    None when no role carries `stat`."""
-    worst = None
-    for path, roles in quant.items():
-        for role, values in roles.items():
-            if stat not in values:
-                continue
-            value = None if values[stat] is None else float(values[stat])
-            rank = value if value is not None and math.isfinite(value) else math.inf
-            if worst is None or rank > worst[0]:
-                worst = (rank, path, role)
-    return worst
-
-
-def _short(value: float) -> str:
-    return f"{value:.3g}" if math.isfinite(value) else "non-finite"
-
-
-def summarize_quant(stats: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """One short phrase for the progress line: the layer and role with the largest relative
-    error, plus the largest underflow and saturation fractions.
-
-    Example:
-        >>> summarize_quant({"layers.3.mlp.down": {"wgrad_dy": {"rel_error": 0.142,
-        ...                  "underflow": 0.0, "saturation": 0.035}}})
-        'quant worst layers.3.mlp.down wgrad_dy err 0.142  max uf 0  sat 0.035'
-    """
-    worst = _worst(stats, "rel_error")
-    if worst is None:
-        return "quant -"
-    parts = [f"quant worst {worst[1]} {worst[2]} err {_short(worst[0])}"]
-    maxima = [(label, _worst(stats, stat)) for stat, label in (("underflow", "uf"),
-              ("saturation", "sat"))]  # fmt: skip
-    shown = [f"{label} {_short(w[0])}" for label, w in maxima if w is not None]
-    if shown:
-        parts.append("max " + "  ".join(shown))
-    return "  ".join(parts)
-
-
 # --------------------------------------------------------------------------- metrics.jsonl
 
 
@@ -291,59 +225,6 @@ class MetricsFile:
         self._file.close()
 
 
-# --------------------------------------------------------------------------- TensorBoard
-
-
-class TensorBoard:
-    """Scalars of each metrics row as TensorBoard events (tensorboardX) under `logdir`.
-
-    Args:
-        logdir: the event file directory.
-        purge_step: on resume, the first step to be written again (older events after it are hidden).
-    """
-
-    def __init__(self, logdir: str | Path, *, purge_step: int | None = None) -> None:
-        from tensorboardX import SummaryWriter
-
-        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
-
-    def write(self, row: Mapping[str, Any]) -> None:
-        """Adds every numeric field but `step` as a scalar at `row['step']`; an MoE row's block
-        statistics as `moe/<block>/<stat>` (`moe/<block>/load/<expert>`), a telemetry row's
-        SSM statistics as `ssm/<block>/<stat>`; a telemetry row's
-        values as `quant/<path>/<role>/<stat>` (non-finite ones too, nulls skipped; an expert's
-        `path[e]` as `path/e`, TensorBoard's tags allowing no brackets)."""
-        step = int(row["step"])
-        for key, value in row.items():
-            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(_tensorboard_tag(key), value, step)
-        for group, block, stats in _block_stats(row):
-            for stat, value in stats.items():
-                values = value if isinstance(value, list) else [value]
-                for e, v in enumerate(values):
-                    name = f"{group}/{block}/{stat}" + (f"/{e}" if isinstance(value, list) else "")
-                    if v is not None:
-                        self._writer.add_scalar(name, v, step)
-        for path, roles in row.get("quant", {}).items():
-            name = path[:-1].replace("[", "/") if path.endswith("]") else path
-            for role, values in roles.items():
-                for stat, value in values.items():
-                    if value is not None:
-                        self._writer.add_scalar(f"quant/{name}/{role}/{stat}", value, step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        """Flushes and closes the event file."""
-        self._writer.close()
-
-
-def _block_stats(row: Mapping[str, Any]):
-    """(group, block, {stat: value}) of a row's per-block `moe` and `ssm` statistics."""
-    for group in ("moe", "ssm"):
-        for block, stats in row.get(group, {}).items():
-            yield group, block, stats
-
-
 # --------------------------------------------------------------------------- progress
 
 
@@ -364,13 +245,6 @@ class PlainProgress:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def _tensorboard_tag(key: str) -> str:
-    """A row field's TensorBoard tag: `val/loss`, `task/<name>/<metric>` as it is, `train/<key>`."""
-    if key == "val_loss":
-        return "val/loss"
-    return key if key.startswith("task/") else f"train/{key}"
 
 
 class RichProgress:

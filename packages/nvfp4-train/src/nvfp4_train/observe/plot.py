@@ -211,6 +211,37 @@ def _tick_positions(count: int, most: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, min(count, most)).round().astype(int))
 
 
+def _read_quant_grid(
+    run_dir: str | Path, stat: str
+) -> tuple[list[str], list[int], dict[str, np.ndarray]]:
+    """`quant_grid` of the run's metrics.jsonl; DataError when it has none or no telemetry rows."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise DataError(f"run_dir: {str(run_dir)!r} has no metrics.jsonl")
+    paths, steps, grids = quant_grid(read_metrics(path), stat)
+    if not grids:
+        raise DataError(
+            f"run_dir: {str(path)!r} has no quantization telemetry rows; train with "
+            "logging.quant_stats_every > 0 (e.g. logging.quant_stats_every=50)"
+        )
+    return paths, steps, grids
+
+
+def _draw_panel(ax, role: str, grid: np.ndarray, labels, steps, norm, cmap):
+    """One role's heat map on `ax` (a zero drawn below a log scale's range: the 'under' colour,
+    missing values masked: the 'bad' one), with at most 40 linear (`labels`) and 8 step ticks;
+    returns the image (for the colour bar)."""
+    values = np.where(grid == 0, norm.vmin / 10, grid) if _is_log(norm) else grid
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
+                      cmap=cmap, norm=norm)  # fmt: skip
+    ax.set_title(role)
+    ys, xs = _tick_positions(len(labels), 40), _tick_positions(len(steps), 8)
+    ax.set_yticks(ys, [labels[i] for i in ys], fontsize=7)
+    ax.set_xticks(xs, [str(steps[i]) for i in xs], fontsize=7)
+    ax.set_xlabel("step")
+    return image
+
+
 def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_error") -> Path:
     """Heat maps of one telemetry statistic: rows = quantized linears in model order, columns =
     logged steps, one panel per GEMM operand role, each with its colour bar. A hybrid run's rows
@@ -236,16 +267,8 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise DataError(f"run_dir: {str(run_dir)!r} has no metrics.jsonl")
-    paths, steps, grids = quant_grid(read_metrics(path), stat)
+    paths, steps, grids = _read_quant_grid(run_dir, stat)
     labels = [row_label(p, run_pattern(run_dir)) for p in paths]
-    if not grids:
-        raise DataError(
-            f"run_dir: {str(path)!r} has no quantization telemetry rows; train with "
-            "logging.quant_stats_every > 0 (e.g. logging.quant_stats_every=50)"
-        )
     cols = min(3, len(grids))
     nrows = -(-len(grids) // cols)
     height = min(max(2.5, 0.22 * len(paths) + 1.6), 30.0)  # many experts: rows get thinner
@@ -254,14 +277,7 @@ def plot_quant(run_dir: str | Path, output: str | Path, *, stat: str = "rel_erro
     norm = _color_norm(np.concatenate([g.ravel() for g in grids.values()]), stat)
     cmap = plt.get_cmap("viridis").with_extremes(under="white", bad="0.6")
     for ax, (role, grid) in zip(axes.flat, grids.items(), strict=False):
-        values = np.where(grid == 0, norm.vmin / 10, grid) if _is_log(norm) else grid
-        image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
-                          cmap=cmap, norm=norm)  # fmt: skip
-        ax.set_title(role)
-        ys, xs = _tick_positions(len(paths), 40), _tick_positions(len(steps), 8)
-        ax.set_yticks(ys, [labels[i] for i in ys], fontsize=7)
-        ax.set_xticks(xs, [str(steps[i]) for i in xs], fontsize=7)
-        ax.set_xlabel("step")
+        image = _draw_panel(ax, role, grid, labels, steps, norm, cmap)
     for ax in list(axes.flat)[len(grids) :]:
         ax.axis("off")
     grey = "missing; an expert's x, dy: no tokens" if any("[" in p for p in paths) else "missing"

@@ -39,7 +39,7 @@ from nvfp4_train.model.decoder import linear_keys, unstacked
 from nvfp4_train.model.moe.layer import OPERAND_GROUP_SIZES, GroupedLinear
 from nvfp4_train.model.structure import linear_order
 from nvfp4_train.observe.health import ROLE_FAMILIES
-from nvfp4_train.observe.metrics import EXPERT_TOKENS, expert_path
+from nvfp4_train.observe.quant_rows import EXPERT_TOKENS, expert_path
 from nvfp4_train.tree_paths import flat_paths
 
 Batch = dict[str, jax.Array]
@@ -115,6 +115,26 @@ def _capture(
             f"batch must hold 'inputs' and 'targets', got keys {sorted(batch)}; missing {missing}"
         )
     constrain = activation_constraint(None) if constrain is None else constrain
+    operands, grads, sown = _operands_and_gradients(graphdef, params, batch, key, constrain)
+    xs, ws, dys = _flat(operands, OPERAND_X), _flat(operands, OPERAND_W), _flat(grads, OUTPUT_GRAD)
+    groups = _flat(operands, OPERAND_GROUP_SIZES)
+    captured = {
+        path: (xs[path], ws[path], dys[path], *([groups[path]] if path in groups else []))
+        for path in sorted(xs, key=linear_order)
+    }
+    return captured, ssm_layer_stats(sown)
+
+
+def _operands_and_gradients(
+    graphdef: nnx.GraphDef,
+    params,
+    batch: Batch,
+    key: jax.Array | None,
+    constrain: Callable[[str, jax.Array], jax.Array],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(the captured operands, the gradients of the mean token cross-entropy w.r.t. the zero
+    perturbations at the linears' outputs, the sown intermediates), as pure dicts in the model's
+    module tree."""
     documents = {
         "segment_ids_BxL": batch.get("segment_ids"),
         "positions_BxL": batch.get("positions"),
@@ -141,14 +161,7 @@ def _capture(
     shapes = jax.eval_shape(zero_perturbations)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     grads, (operands, sown) = jax.grad(loss, has_aux=True)(zeros)
-    operands, grads = nnx.to_pure_dict(operands), nnx.to_pure_dict(grads)
-    xs, ws, dys = _flat(operands, OPERAND_X), _flat(operands, OPERAND_W), _flat(grads, OUTPUT_GRAD)
-    groups = _flat(operands, OPERAND_GROUP_SIZES)
-    captured = {
-        path: (xs[path], ws[path], dys[path], *([groups[path]] if path in groups else []))
-        for path in sorted(xs, key=linear_order)
-    }
-    return captured, ssm_layer_stats(nnx.to_pure_dict(sown))
+    return nnx.to_pure_dict(operands), nnx.to_pure_dict(grads), nnx.to_pure_dict(sown)
 
 
 def ssm_layer_stats(sown: dict[str, Any]) -> SsmStats:

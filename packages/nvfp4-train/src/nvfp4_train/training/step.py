@@ -1,9 +1,9 @@
-"""Train state, the model a run builds, the pure train step (with gradient accumulation) and the
-eval step.
+"""The pure train step (with gradient accumulation), the eval step and the score step.
 
-Each builder takes what it reads, not the whole run config: the model (`ModelSpec`, made from a
-run config by `model_spec`), the optimizer (`optim.make_optimizer` of the `optimizer` section),
-and the seed and accumulation of the `train` section.
+Each builder takes what it reads, not the whole run config: the model's graphdef, the optimizer
+(`optim.make_optimizer` of the `optimizer` section), and the seed and accumulation of the `train`
+section. The train state and the model a run builds live in `training.train_state`, the forward
+and its losses in `training.forward`; both are re-exported here.
 
 Example (`cfg` a run config with `cfg.model.vocab_size` set):
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -12,14 +12,12 @@ Example (`cfg` a run config with `cfg.model.vocab_size` set):
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, lr, seed=cfg.train.seed), donate_argnums=0
     )
-    state, metrics = train_step(state, {"inputs": x_BxL, "targets": y_BxL})
-"""
+    state, metrics = train_step(state, {"inputs": x_BxL, "targets": y_BxL})"""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,239 +25,56 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-import nvfp4_ops
-from nvfp4_train.errors import ConfigError
-from nvfp4_train.mesh.sharding import activation_constraint, kernel_axes, trace_context
-from nvfp4_train.model.blocks.linear import QuantLinear
-from nvfp4_train.model.config import ModelConfig, input_amax_shape, linear_paths
-from nvfp4_train.model.decoder import Llama
+from nvfp4_train.mesh.sharding import activation_constraint, trace_context
 from nvfp4_train.model.moe.config import MoEConfig
-from nvfp4_train.model.moe.stats import (
-    auxiliary_objective,
-    load_metrics,
-    split_sown,
-    update_router_bias,
-)
-from nvfp4_train.model.stacking import LayerLayout, global_norm
+from nvfp4_train.model.moe.stats import auxiliary_objective, load_metrics, update_router_bias
+from nvfp4_train.model.stacking import global_norm
 from nvfp4_train.optim.loss_scaling import current_loss_scale, last_step_skipped, skipped_steps
-from nvfp4_train.precision.policy import backend_spec, layer_recipes, run_layout
-from nvfp4_train.tree_paths import flat_paths
+from nvfp4_train.training.forward import (
+    Batch,
+    ForwardStats,
+    batch_documents,
+    forward,
+    forward_with_amax,
+    forward_with_stats,
+    token_loss_sum,
+    token_losses,
+)
+from nvfp4_train.training.train_state import (
+    ModelSpec,
+    TrainState,
+    count_params,
+    flat_amax,
+    init_state,
+    model_graphdef,
+    model_spec,
+    state_from_params,
+    with_vocab_size,
+    with_weight_gather,
+)
 
-Batch = dict[str, jax.Array]
-
-
-class TrainState(NamedTuple):
-    """Everything a step changes.
-
-    Attributes:
-        step: int32 scalar, number of completed steps.
-        params: Pure nested dict of float32 arrays (`nnx.State.to_pure_dict()` of `Llama`), in
-            the model's layout (`run_layout`: stacked blocks under `layers.{first}-{last}`).
-        opt_state: The optimizer's state (its moments in the same layout).
-        activation_amax: Running max over applied steps of |x| at each linear's input (x after
-            the compute-dtype cast), float32 scalars in a tree like the linears' params:
-            `activation_amax["layers"]["0"]["attn"]["qkv"]` (see `flat_amax`), always per layer.
-    """
-
-    step: jax.Array
-    params: dict[str, Any]
-    opt_state: optax.OptState
-    activation_amax: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """How a run builds its `Llama`: every argument but the parameters' seed.
-
-    Attributes:
-        config: the `model` section (`vocab_size` filled: `with_vocab_size`).
-        recipes: module path -> `nvfp4_ops.Recipe` of the base model (`policy.layer_recipes`).
-        backend: `nvfp4_ops.dot_general`'s backend (`policy.backend_spec` of `precision.backend`).
-        layout: which blocks are stored stacked (`policy.run_layout`).
-        gather: what FSDP gathers of each linear's kernel (`precision.gather`,
-            `model.weight_gather`).
-    """
-
-    config: ModelConfig
-    recipes: Mapping[str, nvfp4_ops.Recipe]
-    backend: str | tuple[str, ...]
-    layout: LayerLayout
-    gather: str = "master"
-
-    def build(self, rngs: nnx.Rngs, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None) -> Llama:
-        """The model, with `recipes` instead of the base ones when given."""
-        recipes = dict(self.recipes if recipes is None else recipes)
-        model = Llama(self.config, recipes, rngs=rngs, backend=self.backend, layout=self.layout)
-        return with_weight_gather(model, self.gather)
-
-
-def with_weight_gather(model: nnx.Module, gather: str) -> nnx.Module:
-    """`model` with every `QuantLinear` set to gather its kernel per `gather` (`precision.gather`),
-    its kernel's mesh axes taken from the sharding rules by the linear's name (in place)."""
-    if gather == "master":
-        return model
-    for path, module in nnx.iter_graph(model):
-        if isinstance(module, QuantLinear) and path:
-            module.gather = gather
-            module.kernel_axes = kernel_axes(str(path[-1]))
-    return model
-
-
-def model_spec(cfg) -> ModelSpec:
-    """The `ModelSpec` of a run config (reads `model`, `precision`, `train.steps` and
-    `optimizer.no_decay`: the layout stacks only blocks alike in every precision phase and in
-    weight decay)."""
-    return ModelSpec(
-        cfg.model,
-        layer_recipes(cfg.model, cfg.precision),
-        backend_spec(cfg.precision.backend),
-        run_layout(cfg),
-        cfg.precision.gather,
-    )
-
-
-def init_state(
-    spec: ModelSpec, optimizer: optax.GradientTransformation, *, seed: int
-) -> tuple[nnx.GraphDef, TrainState]:
-    """Builds the model of `spec` with parameter seed `seed` and its step-0 state.
-
-    Returns:
-        (graphdef, state): the model's static structure (recipes included) and step-0 state.
-    """
-    model = spec.build(nnx.Rngs(params=seed))
-    graphdef, model_state = nnx.split(model)
-    params = nnx.to_pure_dict(model_state)
-    return graphdef, state_from_params(spec.config, params, optimizer)
-
-
-def state_from_params(
-    model: ModelConfig, params: dict[str, Any], optimizer: optax.GradientTransformation
-) -> TrainState:
-    """The step-0 state of a run whose parameters are `params` (a fresh init, or weights
-    imported with `model.init_from`): fresh optimizer state, no activation statistics yet."""
-    amax = _amax_tree(
-        {p: jnp.zeros(input_amax_shape(model, p), jnp.float32) for p in linear_paths(model)}
-    )
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), amax)
-
-
-def model_graphdef(
-    spec: ModelSpec, recipes: Mapping[str, nvfp4_ops.Recipe] | None = None
-) -> nnx.GraphDef:
-    """The model's static structure (recipes included) without materialising parameters.
-
-    `recipes` (module path -> `nvfp4_ops.Recipe`, e.g. a `PrecisionPhase.recipes` of
-    `policy.precision_phases`) default to the spec's. The params tree is the one of
-    `init_state(spec, ...)` (`run_layout` stacks only blocks alike in every phase), so the same
-    `TrainState` runs through any of them.
-    """
-    abstract = nnx.eval_shape(lambda: spec.build(nnx.Rngs(params=0), recipes))
-    return nnx.graphdef(abstract)
-
-
-def _amax_tree(flat: dict[str, jax.Array]) -> dict[str, Any]:
-    """{"layers.0.attn.qkv": a} -> {"layers": {"0": {"attn": {"qkv": a}}}}."""
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-def flat_amax(activation_amax: dict[str, Any]) -> dict[str, Any]:
-    """`TrainState.activation_amax` as {module path with dots: value}, e.g. `layers.0.attn.qkv`."""
-    return flat_paths(activation_amax)
-
-
-class ForwardStats(NamedTuple):
-    """What a forward reports besides its logits.
-
-    Attributes:
-        amax: max |input| of each linear in this call (an expert linear: one per expert), tree
-            as in `TrainState.activation_amax` (per layer).
-        moe: each MoE block's statistics (`model.moe.MOE_STATS`) at its `mlp` path, in the
-            params' layout (stacked blocks with a leading layer axis); empty for a dense model.
-        moe_per_layer: `moe` with its stacked blocks split per layer.
-    """
-
-    amax: dict[str, Any]
-    moe: dict[str, Any]
-    moe_per_layer: dict[str, Any]
-
-
-def forward_with_stats(
-    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None,
-    constrain=None,
-) -> tuple[jax.Array, ForwardStats]:  # fmt: skip
-    """(float32 logits [B, L, vocab], `ForwardStats`). `documents`: None, or (segment ids,
-    positions) [B, L] of packed documents; `constrain`: the run's activation constraint
-    (`Llama.__call__`)."""
-    model = nnx.merge(graphdef, params)
-    segment_ids, positions = (None, None) if documents is None else documents
-    logits_BxLxV, intermediates = nnx.capture(model, nnx.Intermediate)(
-        inputs_BxL, key=key, segment_ids_BxL=segment_ids, positions_BxL=positions,
-        constrain=constrain,
-    )  # fmt: skip
-    amax, moe = split_sown(nnx.to_pure_dict(intermediates))
-    layout = model.layout
-    return logits_BxLxV, ForwardStats(layout.to_canonical(amax), moe, layout.to_canonical(moe))
-
-
-def forward_with_amax(
-    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
-) -> tuple[jax.Array, dict[str, Any]]:
-    """(float32 logits [B, L, vocab], max |input| of each linear in this call, tree as in
-    `TrainState.activation_amax`); see `forward_with_stats`."""
-    logits_BxLxV, stats = forward_with_stats(graphdef, params, inputs_BxL, key, documents)
-    return logits_BxLxV, stats.amax
-
-
-def forward(
-    graphdef: nnx.GraphDef, params, inputs_BxL: jax.Array, key=None, documents=None
-) -> jax.Array:
-    """float32 logits [B, L, vocab] of the model `graphdef` with `params` (`documents` as in
-    `forward_with_amax`)."""
-    return forward_with_amax(graphdef, params, inputs_BxL, key, documents)[0]
-
-
-def _no_constraint(kind: str, x: jax.Array) -> jax.Array:
-    del kind
-    return x
-
-
-def batch_documents(batch: Batch, constrain=None) -> tuple[jax.Array, jax.Array] | None:
-    """(segment ids, positions) of a batch that carries them (packed documents), else None."""
-    if "segment_ids" not in batch:
-        return None
-    constrain = constrain or _no_constraint
-    return constrain("tokens", batch["segment_ids"]), constrain("tokens", batch["positions"])
-
-
-def _token_losses(
-    graphdef, params, batch: Batch, key, constrain=_no_constraint
-) -> tuple[jax.Array, jax.Array, ForwardStats]:
-    """float32 [B, L] token cross-entropies (the training loss per target), the logits and the
-    forward's statistics (the linears' input amax, the MoE blocks' routing)."""
-    inputs_BxL = constrain("tokens", batch["inputs"])
-    documents = batch_documents(batch, constrain)
-    logits_BxLxV, stats = forward_with_stats(
-        graphdef, params, inputs_BxL, key, documents, constrain
-    )
-    logits_BxLxV = constrain("logits", logits_BxLxV)
-    losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-    return losses_BxL, logits_BxLxV, stats
-
-
-def _loss_sum(
-    graphdef, params, batch: Batch, key, constrain=_no_constraint
-) -> tuple[jax.Array, int, ForwardStats]:
-    """float32 sum of token cross-entropies, the number of tokens, and the forward's
-    statistics (the linears' input amax, the MoE blocks' routing)."""
-    losses_BxL, _, stats = _token_losses(graphdef, params, batch, key, constrain)
-    return losses_BxL.sum(), losses_BxL.size, stats
+__all__ = [  # the state's and the forward's names are re-exported from `train_state`, `forward`
+    "Batch",
+    "ForwardStats",
+    "ModelSpec",
+    "TrainState",
+    "batch_documents",
+    "count_params",
+    "flat_amax",
+    "forward",
+    "forward_with_amax",
+    "forward_with_stats",
+    "init_state",
+    "make_eval_step",
+    "make_score_step",
+    "make_train_step",
+    "model_graphdef",
+    "model_spec",
+    "state_from_params",
+    "step_key",
+    "with_vocab_size",
+    "with_weight_gather",
+]
 
 
 def _split_microbatches(batch: Batch, accum: int) -> Batch:
@@ -279,7 +94,7 @@ def _accumulated_grads(
     `amax0`), and the MoE statistics (params' layout) and metrics averaged over microbatches."""
 
     def scaled_loss(p, micro: Batch, micro_key):
-        loss_sum, count, stats = _loss_sum(graphdef, p, micro, micro_key, constrain)
+        loss_sum, count, stats = token_loss_sum(graphdef, p, micro, micro_key, constrain)
         loss = loss_sum / count
         objective = loss + auxiliary_objective(moe_cfg, stats.moe_per_layer)
         moe = (stats.moe, load_metrics(stats.moe_per_layer))
@@ -368,24 +183,53 @@ def make_train_step(
             )
         if moe_stats and not moe.num_experts:
             raise ValueError("the model has MoE blocks: pass its model.moe to make_train_step")
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        skipped = last_step_skipped(opt_state)
-        if moe.bias_update_rate:  # not moved by a skipped step (a rate of 0 adds +-0)
-            rate = jnp.where(skipped, 0.0, moe.bias_update_rate)
-            params = update_router_bias(params, moe_stats, rate)
-        amax = _updated_amax(state.activation_amax, step_amax, skipped)
-        metrics = moe_metrics | {
-            "loss": loss,
-            "grad_norm": global_norm(grads) / loss_scale,
-            "lr": lr_schedule(state.step),
-            "skipped": skipped.astype(jnp.int32),
-            "skipped_total": skipped_steps(opt_state),
-            "loss_scale": loss_scale,
-        }
-        return TrainState(state.step + 1, params, opt_state, amax), metrics
+        new_state, skipped = _apply_gradients(state, grads, step_amax, moe_stats, optimizer, moe)
+        metrics = _step_metrics(
+            loss, grads, loss_scale, lr_schedule, state.step, skipped, new_state
+        )
+        return new_state, moe_metrics | metrics
 
     return train_step
+
+
+def _apply_gradients(
+    state: TrainState,
+    grads,
+    step_amax,
+    moe_stats,
+    optimizer: optax.GradientTransformation,
+    moe: MoEConfig,
+) -> tuple[TrainState, jax.Array]:
+    """(the state after the optimizer applies `grads`, whether it skipped them as non-finite): the
+    router bias moves and the running input amax grows only on an applied step."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    skipped = last_step_skipped(opt_state)
+    if moe.bias_update_rate:  # not moved by a skipped step (a rate of 0 adds +-0)
+        rate = jnp.where(skipped, 0.0, moe.bias_update_rate)
+        params = update_router_bias(params, moe_stats, rate)
+    amax = _updated_amax(state.activation_amax, step_amax, skipped)
+    return TrainState(state.step + 1, params, opt_state, amax), skipped
+
+
+def _step_metrics(
+    loss: jax.Array,
+    grads,
+    loss_scale: jax.Array,
+    lr_schedule: optax.Schedule,
+    step: jax.Array,
+    skipped: jax.Array,
+    new_state: TrainState,
+) -> dict[str, jax.Array]:
+    """The train step's scalar metrics but the MoE ones (`make_train_step`'s "Metrics")."""
+    return {
+        "loss": loss,
+        "grad_norm": global_norm(grads) / loss_scale,
+        "lr": lr_schedule(step),
+        "skipped": skipped.astype(jnp.int32),
+        "skipped_total": skipped_steps(new_state.opt_state),
+        "loss_scale": loss_scale,
+    }
 
 
 def make_eval_step(
@@ -400,7 +244,9 @@ def make_eval_step(
 
     def eval_step(params, batch: Batch):
         with trace_context(mesh):
-            loss_sum, count, _ = _loss_sum(graphdef, params, batch, jax.random.key(seed), constrain)
+            loss_sum, count, _ = token_loss_sum(
+                graphdef, params, batch, jax.random.key(seed), constrain
+            )
         return loss_sum, jnp.asarray(count, jnp.int32)
 
     return eval_step
@@ -417,43 +263,10 @@ def make_score_step(
     def score_step(params, inputs_BxL: jax.Array, targets_BxL: jax.Array):
         batch = {"inputs": inputs_BxL, "targets": targets_BxL}
         with trace_context(mesh):
-            losses_BxL, logits_BxLxV, _ = _token_losses(
+            losses_BxL, logits_BxLxV, _ = token_losses(
                 graphdef, params, batch, jax.random.key(seed), constrain
             )
         greedy_BxL = jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL
         return -losses_BxL, greedy_BxL
 
     return score_step
-
-
-def count_params(params) -> int:
-    """Total number of parameter elements in a params pytree."""
-    return int(sum(leaf.size for leaf in jax.tree.leaves(params)))
-
-
-def with_vocab_size(cfg, vocab_size: int):
-    """The run config with `model.vocab_size` filled from the data's `vocab_size`.
-
-    The one place that fills it (`run` and `evaluate_run` come here): `model.vocab_size=0` takes the data's size; an explicit size must be >= the data's (a
-    larger one pads the embedding, e.g. to a multiple of 128) and is kept.
-
-    Raises:
-        ConfigError: an explicit `model.vocab_size` smaller than the data's vocabulary.
-        ValueError: `vocab_size` is not > 0.
-
-    Example:
-        >>> from nvfp4_train.config.run_config import config_from_dict
-        >>> with_vocab_size(config_from_dict({}), 300).model.vocab_size
-        300
-    """
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size (the data's) must be > 0, got {vocab_size}")
-    model = cfg.model
-    if model.vocab_size == 0:
-        return dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=vocab_size))
-    if model.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size must be 0 (take from data) or >= the data's vocabulary "
-            f"size {vocab_size}, got {model.vocab_size}"
-        )
-    return cfg

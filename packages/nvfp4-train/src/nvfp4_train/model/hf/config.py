@@ -117,6 +117,22 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
             quantized checkpoint, or a missing key.
     """
     kind = hf.get("model_type")
+    _check_supported(kind, hf)
+    section, limit = _dimensions(kind, hf)
+    section.update(_attention_options(kind, hf))
+    if kind in MOE_MODEL_TYPES:
+        section["moe"] = moe_section(hf)
+    window = _sliding_window(hf)
+    if max_seq_len is None:
+        section["max_seq_len"] = min(limit, window) if window else limit
+    else:
+        _check_max_seq_len(max_seq_len, window, limit)
+    return section
+
+
+def _check_supported(kind: Any, hf: Mapping[str, Any]) -> None:
+    """HFConfigError unless `model_type` is one this decoder builds, the checkpoint is not
+    quantized and every `_NOT_LLAMA_OPTIONS` option has its supported value."""
     variant = unsupported_model_type(kind)
     if variant is not None:
         raise HFConfigError(f"model.init_from: {variant}")
@@ -134,6 +150,11 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
             raise HFConfigError(
                 f"model.init_from: {key}={hf[key]!r} is not supported (only {supported!r})"
             )
+
+
+def _dimensions(kind: str, hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """(the section's architecture, sizes, RoPE, norm and tying keys, max_position_embeddings);
+    a missing or malformed value is an HFConfigError naming it."""
     try:
         heads = _int(hf, "num_attention_heads")
         d_model = _int(hf, "hidden_size")
@@ -157,28 +178,35 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
         raise HFConfigError(f"model.init_from: config.json lacks {e}") from None
     except (TypeError, ValueError) as e:
         raise HFConfigError(f"model.init_from: config.json has a malformed value: {e}") from None
+    return section, limit
+
+
+def _attention_options(kind: str, hf: Mapping[str, Any]) -> dict[str, bool]:
+    """qkv_bias, o_bias and qk_norm as the Hugging Face class of `kind` (of its dense base for
+    an MoE type) builds them from `attention_bias`."""
     bias = bool(hf.get("attention_bias", False))
     base = DENSE_BASE.get(kind, kind)
-    section["qkv_bias"] = True if base == "qwen2" else bias and base != "mistral"
-    section["o_bias"] = bias and base in ("llama", "qwen3")
-    section["qk_norm"] = base == "qwen3"
-    if kind in MOE_MODEL_TYPES:
-        section["moe"] = moe_section(hf)
-    window = _sliding_window(hf)
-    if max_seq_len is None:
-        section["max_seq_len"] = min(limit, window) if window else limit
-    elif window is not None and max_seq_len > window:
+    return {
+        "qkv_bias": True if base == "qwen2" else bias and base != "mistral",
+        "o_bias": bias and base in ("llama", "qwen3"),
+        "qk_norm": base == "qwen3",
+    }
+
+
+def _check_max_seq_len(max_seq_len: int, window: int | None, limit: int) -> None:
+    """HFConfigError when the user's `model.max_seq_len` exceeds the checkpoint's sliding window
+    or its `max_position_embeddings` (`limit`)."""
+    if window is not None and max_seq_len > window:
         raise HFConfigError(
             f"model.init_from: the checkpoint attends within a sliding window of {window} tokens, "
             f"which full attention honours only for model.max_seq_len <= {window}, got "
             f"{max_seq_len}"
         )
-    elif max_seq_len > limit:
+    if max_seq_len > limit:
         raise HFConfigError(
             f"model.max_seq_len={max_seq_len} exceeds the checkpoint's max_position_embeddings"
             f"={limit}"
         )
-    return section
 
 
 def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:

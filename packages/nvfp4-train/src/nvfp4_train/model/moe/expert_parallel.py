@@ -225,48 +225,102 @@ def sharded_routed_experts(
         dtype: the compute dtype the kernels enter the GEMMs in.
     """
     tokens, k = routing.experts_TxK.shape
-    num_experts, width = kernels[0][0].shape[0], x_TxD.shape[1]
-    sizes = {a: mesh.shape.get(a, 1) for a in AXES}
-    if tokens % math.prod(sizes[a] for a in TOKEN_AXES) or width % sizes[TENSOR_AXIS]:
+    plan = _plan(mesh, tokens, k, kernels, x_TxD.shape[1], capacity, dtype)
+    if plan is None:
         return None
-    local = num_experts // sizes[EXPERT_AXIS]
-    token_axes, replica_axes = _split_axes(mesh)
-    count = -(-local // math.prod(sizes[a] for a in replica_axes))  # experts per device
-    rows = local_rows(tokens, k, count, capacity)
-    tensor = (TENSOR_AXIS,) if sizes[TENSOR_AXIS] > 1 else ()
-    kernel_specs = tuple(_kernel_spec(w.shape, dim, sizes) for w, dim in kernels)
-
-    def body(x_l, experts_l, weights_l, kernels_l, keys_l):
-        if tensor:  # the same tokens on every tensor device: one gradient copy
-            x_l, weights_l = (_one_copy_gradient(v, tensor) for v in (x_l, weights_l))
-        x, experts, weights = (_gather(v, token_axes) for v in (x_l, experts_l, weights_l))
-        mine = _replica_slice(local, count, replica_axes)
-        kernels_l = tuple(
-            _local_kernel(w, spec, dtype, mine, tensor)
-            for w, spec in zip(kernels_l, kernel_specs, strict=True)
-        )
-        d = dispatch(experts, num_experts=num_experts, capacity=capacity)
-        sizes_l, offset, positions, valid = _local_assignments(d, num_experts, mine, rows)
-        assignment = d.order[jnp.minimum(positions, d.order.shape[0] - 1)]
-        x_RxD = jnp.where(valid[:, None], x[assignment // k], 0).astype(x.dtype)
-        y_RxD, amax = run_experts(x_RxD, sizes_l, kernels_l, keys_l, offset)
-        amax = tuple(_shard_amax(a, mine, local, replica_axes) for a in amax)
-        y_AxD = jnp.zeros((d.order.shape[0], y_RxD.shape[1]), y_RxD.dtype)
-        y_AxD = y_AxD.at[positions].set(y_RxD, mode="drop")
-        out_l = _scatter(combine(y_AxD, weights, d, jnp.float32), token_axes)
-        return (_tensor_columns(out_l, sizes[TENSOR_AXIS]) if tensor else out_l), amax
-
+    tensor = plan.tensor
     # All mesh axes manual (XLA:CPU crashes promoting a bf16 reduction of a partly manual
     # shard_map), every one named in the token spec even of size 1 (an unnamed one gets a psum
     # of the gradient in the transpose); a tensor axis > 1 splits the output's columns.
     tokens_spec = P(TOKEN_AXES if tensor else (*TOKEN_AXES, TENSOR_AXIS))
     sharded = jax.shard_map(
-        body,
+        functools.partial(_device_experts, plan, run_experts),
         mesh=mesh,
-        in_specs=(tokens_spec, tokens_spec, tokens_spec, kernel_specs, P()),
+        in_specs=(tokens_spec, tokens_spec, tokens_spec, plan.kernel_specs, P()),
         out_specs=(P(TOKEN_AXES, TENSOR_AXIS) if tensor else tokens_spec, P(EXPERT_AXIS)),
         axis_names=frozenset(AXES),
         check_vma=False,  # nvfp4_ops' grouped GEMM loops are not typed for varying values
     )
     kernel_values = tuple(w for w, _ in kernels)
     return sharded(x_TxD, routing.experts_TxK, routing.weights_TxK, kernel_values, keys)
+
+
+class _Plan(NamedTuple):
+    """The static layout of one expert-parallel call, the same on every device."""
+
+    num_experts: int  # E
+    local: int  # the experts of one `expert` shard, E / |expert|
+    count: int  # the experts one device computes, ceil(local / replicas)
+    rows: int  # its grouped-GEMM buffer rows (`local_rows`)
+    k: int  # experts per token
+    capacity: int  # `moe_config.expert_capacity` of the T tokens
+    dtype: Any  # the compute dtype the kernels enter the GEMMs in
+    token_axes: tuple[str, ...]  # `_split_axes`
+    replica_axes: tuple[str, ...]
+    tensor_size: int  # |tensor|
+    kernel_specs: tuple[P, ...]  # `_kernel_spec` of each expert linear's kernel
+
+    @property
+    def tensor(self) -> tuple[str, ...]:
+        """(`tensor`,) when the tensor axis splits the output's columns, else ()."""
+        return (TENSOR_AXIS,) if self.tensor_size > 1 else ()
+
+
+def _plan(
+    mesh: AbstractMesh,
+    tokens: int,
+    k: int,
+    kernels: tuple[tuple[jax.Array, int], ...],
+    width: int,
+    capacity: int,
+    dtype: Any,
+) -> _Plan | None:
+    """The call's `_Plan` on `mesh`; None when the tokens do not split evenly over the token axes
+    or the tensor axis does not divide the width D."""
+    num_experts = kernels[0][0].shape[0]
+    sizes = {a: mesh.shape.get(a, 1) for a in AXES}
+    if tokens % math.prod(sizes[a] for a in TOKEN_AXES) or width % sizes[TENSOR_AXIS]:
+        return None
+    local = num_experts // sizes[EXPERT_AXIS]
+    token_axes, replica_axes = _split_axes(mesh)
+    count = -(-local // math.prod(sizes[a] for a in replica_axes))  # experts per device
+    return _Plan(
+        num_experts=num_experts,
+        local=local,
+        count=count,
+        rows=local_rows(tokens, k, count, capacity),
+        k=k,
+        capacity=capacity,
+        dtype=dtype,
+        token_axes=token_axes,
+        replica_axes=replica_axes,
+        tensor_size=sizes[TENSOR_AXIS],
+        kernel_specs=tuple(_kernel_spec(w.shape, dim, sizes) for w, dim in kernels),
+    )
+
+
+def _device_experts(
+    plan: _Plan, run_experts: ExpertsFn, x_l, experts_l, weights_l, kernels_l, keys_l
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """One device's part (the shard_map body, the module doc's forward): its tokens' output
+    [T_l, D] (its 1/tensor of the columns when the tensor axis splits them) and the input amax of
+    its shard's experts."""
+    tensor, token_axes, k = plan.tensor, plan.token_axes, plan.k
+    if tensor:  # the same tokens on every tensor device: one gradient copy
+        x_l, weights_l = (_one_copy_gradient(v, tensor) for v in (x_l, weights_l))
+    x, experts, weights = (_gather(v, token_axes) for v in (x_l, experts_l, weights_l))
+    mine = _replica_slice(plan.local, plan.count, plan.replica_axes)
+    kernels_l = tuple(
+        _local_kernel(w, spec, plan.dtype, mine, tensor)
+        for w, spec in zip(kernels_l, plan.kernel_specs, strict=True)
+    )
+    d = dispatch(experts, num_experts=plan.num_experts, capacity=plan.capacity)
+    sizes_l, offset, positions, valid = _local_assignments(d, plan.num_experts, mine, plan.rows)
+    assignment = d.order[jnp.minimum(positions, d.order.shape[0] - 1)]
+    x_RxD = jnp.where(valid[:, None], x[assignment // k], 0).astype(x.dtype)
+    y_RxD, amax = run_experts(x_RxD, sizes_l, kernels_l, keys_l, offset)
+    amax = tuple(_shard_amax(a, mine, plan.local, plan.replica_axes) for a in amax)
+    y_AxD = jnp.zeros((d.order.shape[0], y_RxD.shape[1]), y_RxD.dtype)
+    y_AxD = y_AxD.at[positions].set(y_RxD, mode="drop")
+    out_l = _scatter(combine(y_AxD, weights, d, jnp.float32), token_axes)
+    return (_tensor_columns(out_l, plan.tensor_size) if tensor else out_l), amax

@@ -1,0 +1,46 @@
+"""The size bar on this package's `src/`: no class over 150 lines, no file over 400, no function
+over 60.
+
+A definition's size is `end_lineno - lineno + 1` of its ast node: from its `def` or `class` line
+to its last line, docstring included (decorator lines above it are not counted). A failure lists
+every offender with its size.
+"""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_FILE_LINES = 400
+MAX_CLASS_LINES = 150
+MAX_FUNCTION_LINES = 60
+
+
+def _offenders() -> list[str]:
+    """'path: kind name (N lines, limit L)' for each file, class and function over the bar."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        relative = path.relative_to(SRC).as_posix()
+        lines = len(source.splitlines())
+        if lines > MAX_FILE_LINES:
+            found.append(f"{relative}: file ({lines} lines, limit {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(source, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                kind, limit = "class", MAX_CLASS_LINES
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                kind, limit = "function", MAX_FUNCTION_LINES
+            else:
+                continue
+            size = node.end_lineno - node.lineno + 1
+            if size > limit:
+                found.append(f"{relative}: {kind} {node.name} ({size} lines, limit {limit})")
+    return found
+
+
+def test_sources_exist():
+    assert list(SRC.rglob("*.py")), f"no Python sources under {SRC}"
+
+
+def test_no_file_class_or_function_over_the_size_bar():
+    offenders = _offenders()
+    assert not offenders, "over the size bar:\n  " + "\n  ".join(offenders)
