@@ -46,7 +46,8 @@ from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.mesh.sharding import AXES, param_spec, tree_shardings
 from nvfp4_train.model.config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
 from nvfp4_train.model.decoder import unstacked
-from nvfp4_train.model.stacking import LayerLayout, canonical_path, is_stacked, runs_of
+from nvfp4_train.model.layer_groups import groups_of, runs_of
+from nvfp4_train.model.stacking import LayerLayout, canonical_path, is_stacked
 from nvfp4_train.precision.policy import layer_recipes, run_layout
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.run import run
@@ -447,3 +448,50 @@ def test_a_layout_is_read_back_from_its_layers_keys():
     assert LayerLayout.of_keys(["1", "0"]) == LayerLayout(2)
     with pytest.raises(ValueError, match="got 'attn'"):
         LayerLayout.of_keys(["0", "attn"])
+
+
+# ------------------------------------------------------------------ groups of blocks
+
+
+def _fewest_bodies(signatures, max_period=8) -> tuple[int, int]:
+    """(bodies, segments) of the best stacking, by trying every segmentation (the reference)."""
+
+    @functools.cache
+    def best(i: int) -> tuple[int, int]:
+        if i == len(signatures):
+            return (0, 0)
+        options = [(1 + best(i + 1)[0], 1 + best(i + 1)[1])]
+        for p in range(1, max_period + 1):
+            for r in range(2, (len(signatures) - i) // p + 1):
+                if all(signatures[i + k] == signatures[i + k % p] for k in range(r * p)):
+                    options.append((p + best(i + r * p)[0], 1 + best(i + r * p)[1]))
+        return min(options)
+
+    return best(0)
+
+
+def test_groups_of_picks_the_fewest_block_bodies():
+    assert groups_of("dEdEdE") == ((0, 6, 2),)
+    assert groups_of("adEdEdEb") == ((1, 7, 2),)
+    assert groups_of("aaaa") == ((0, 4, 1),)  # period 1 (1 body), not "aa" twice (2)
+    assert groups_of("aabaabaab") == ((0, 9, 3),)  # 3 bodies, not "aa", "b" three times (6)
+    assert groups_of("ababa") == ((0, 4, 2),)  # a tie: the longer first segment
+    assert groups_of("abcabc", max_period=2) == ()
+    assert groups_of("") == () and groups_of("a") == ()
+    nano = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    assert 52 - sum(b - a - p for a, b, p in groups_of(nano)) == 14
+    with pytest.raises(ValueError, match="max_period must be >= 1, got 0"):
+        groups_of("ab", max_period=0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        signatures = "".join(rng.choice(list("abc"[: rng.integers(1, 4)]), rng.integers(0, 14)))
+        runs = groups_of(signatures, max_period=4)
+        bodies = len(signatures) - sum(b - a - p for a, b, p in runs)
+        segments = len(signatures) - sum(b - a - 1 for a, b, _ in runs)
+        assert (bodies, segments) == _fewest_bodies(signatures, 4)
+        for start, stop, p in runs:
+            assert all(
+                signatures[i] == signatures[start + (i - start) % p] for i in range(start, stop)
+            )
+        period_1 = tuple((a, b, 1) for a, b in runs_of(signatures))
+        assert groups_of(signatures, max_period=1) == period_1

@@ -47,7 +47,8 @@ from nvfp4_train.model.config import (
     block_params,
     linear_paths,
 )
-from nvfp4_train.model.stacking import LayerLayout, runs_of
+from nvfp4_train.model.layer_groups import runs_of
+from nvfp4_train.model.stacking import LayerLayout
 
 
 def layer_layout(

@@ -12,6 +12,8 @@ params-like dict inside a tree (the parameters, Adam's moments, gradients), so a
 layout resumes with another. `global_norm` gives the same bits for a stacked and a per-layer tree
 (gradient clipping and the grad_norm metric use it).
 
+Which blocks to stack: `nvfp4_train.model.layer_groups`.
+
 Example:
     >>> layout = LayerLayout(4, runs=((1, 3),))
     >>> [key for key, _, _ in layout.entries]
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -75,17 +77,6 @@ def layer_paths(path: Sequence[str]) -> tuple[str, ...]:
                 ".".join((*path[: i + 1], str(j), *path[i + 2 :])) for j in range(first, last + 1)
             )
     return (".".join(path),)
-
-
-def runs_of(signatures: Sequence[Hashable], min_length: int = 2) -> tuple[tuple[int, int], ...]:
-    """[start, stop) of every maximal run of equal consecutive `signatures` of >= `min_length`."""
-    runs, start = [], 0
-    for i in range(1, len(signatures) + 1):
-        if i == len(signatures) or signatures[i] != signatures[start]:
-            if i - start >= min_length:
-                runs.append((start, i))
-            start = i
-    return tuple(runs)
 
 
 def _is_params(node: Any) -> bool:
