@@ -41,16 +41,28 @@ from run_steps import initial, probe_of, run_optimizer, train_step_of
 import nvfp4_train.model.config
 from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.checkpoint.integrity import state_integrity
+from nvfp4_train.checkpoint.items import LAYOUT_ITEMS
 from nvfp4_train.checkpoint.per_layer import PerLayer
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.mesh.sharding import AXES, param_spec, tree_shardings
 from nvfp4_train.model.config import LINEAR_NAMES, REMAT_POLICIES, ModelConfig
 from nvfp4_train.model.decoder import unstacked
-from nvfp4_train.model.stacking import LayerLayout, canonical_path, is_stacked, runs_of
+from nvfp4_train.model.hf.weights import _canonical_shapes
+from nvfp4_train.model.layer_groups import groups_of, runs_of
+from nvfp4_train.model.stacked_blocks import layer_keys, scan_segment
+from nvfp4_train.model.stacking import (
+    LayerLayout,
+    Segment,
+    canonical_path,
+    global_norm,
+    is_stacked,
+    layer_paths,
+)
 from nvfp4_train.precision.policy import layer_recipes, run_layout
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.run import run
 from nvfp4_train.training.step import flat_amax, forward, model_graphdef, model_spec, step_key
+from nvfp4_train.tree_paths import flat_paths
 
 HERE = Path(__file__).resolve().parent
 
@@ -91,10 +103,12 @@ def jiggled(state):
     by distinct random values (a trained state's moments and amax are not zero; no train step is
     compiled for it)."""
     leaves, tree = jax.tree.flatten((state.params, state.opt_state, state.activation_amax))
-    keys = jax.random.split(jax.random.key(3), len(leaves))
+    rng = np.random.default_rng(3)  # NumPy: no program compiled per shape
     leaves = [
-        jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        for k, x in zip(keys, leaves, strict=True)
+        jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for x in leaves
     ]
     params, opt_state, amax = jax.tree.unflatten(tree, leaves)
     return state._replace(params=params, opt_state=opt_state, activation_amax=amax)
@@ -447,3 +461,275 @@ def test_a_layout_is_read_back_from_its_layers_keys():
     assert LayerLayout.of_keys(["1", "0"]) == LayerLayout(2)
     with pytest.raises(ValueError, match="got 'attn'"):
         LayerLayout.of_keys(["0", "attn"])
+
+
+# ------------------------------------------------------------------ groups of blocks
+
+MOE_EVERY_OTHER = (
+    "model.moe.num_experts=4", "model.moe.experts_per_token=2", "model.moe.expert_mlp_dim=32",
+    "model.moe.layer_freq=2", "model.moe.bias_update_rate=0.01",
+)  # fmt: skip
+"""Blocks 1, 3, 5, ... MoE: dense and MoE blocks alternate, one group of 2 repeating."""
+
+
+def group_cfg(scan=True, layers=6, bf16_ends=True):
+    """An NVFP4 model whose blocks alternate dense and MoE: 6 blocks (0 and 5 in BF16) are
+    stored "0", "1-4/2", "5"; 4 blocks all NVFP4 ("bf16_ends" False) "0-3/2"."""
+    ends = () if bf16_ends else ("precision.bf16_first_layers=0", "precision.bf16_last_layers=0")
+    return scan_cfg(scan=scan, layers=layers, overrides=MOE_EVERY_OTHER + ends)
+
+
+def _fewest_bodies(signatures, max_period=8) -> tuple[int, int]:
+    """(bodies, segments) of the best stacking, by trying every segmentation (the reference)."""
+
+    @functools.cache
+    def best(i: int) -> tuple[int, int]:
+        if i == len(signatures):
+            return (0, 0)
+        options = [(1 + best(i + 1)[0], 1 + best(i + 1)[1])]
+        for p in range(1, max_period + 1):
+            for r in range(2, (len(signatures) - i) // p + 1):
+                if all(signatures[i + k] == signatures[i + k % p] for k in range(r * p)):
+                    options.append((p + best(i + r * p)[0], 1 + best(i + r * p)[1]))
+        return min(options)
+
+    return best(0)
+
+
+def test_groups_of_picks_the_fewest_block_bodies():
+    assert groups_of("dEdEdE") == ((0, 6, 2),)
+    assert groups_of("adEdEdEb") == ((1, 7, 2),)
+    assert groups_of("aaaa") == ((0, 4, 1),)  # period 1 (1 body), not "aa" twice (2)
+    assert groups_of("aabaabaab") == ((0, 9, 3),)  # 3 bodies, not "aa", "b" three times (6)
+    assert groups_of("ababa") == ((0, 4, 2),)  # a tie: the longer first segment
+    assert groups_of("abcabc", max_period=2) == ()
+    assert groups_of("") == () and groups_of("a") == ()
+    nano = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    assert LayerLayout(52, groups_of(nano)).bodies == 14
+    with pytest.raises(ValueError, match="max_period must be >= 1, got 0"):
+        groups_of("ab", max_period=0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        signatures = "".join(rng.choice(list("abc"[: rng.integers(1, 4)]), rng.integers(0, 14)))
+        runs = groups_of(signatures, max_period=4)
+        layout = LayerLayout(len(signatures), runs)
+        assert (layout.bodies, len(layout.segments)) == _fewest_bodies(signatures, 4)
+        for start, stop, p in runs:
+            assert all(
+                signatures[i] == signatures[start + (i - start) % p] for i in range(start, stop)
+            )
+        period_1 = tuple((a, b, 1) for a, b in runs_of(signatures))
+        assert groups_of(signatures, max_period=1) == period_1
+
+
+def test_group_keys_paths_and_layouts():
+    layout = LayerLayout(8, runs=((1, 5, 2), (5, 7)))
+    assert layout.runs == ((1, 5, 2), (5, 7, 1))
+    assert [key for key, _, _ in layout.entries] == ["0", "1-4/2", "5-6", "7"]
+    assert [s.repeats for s in layout.segments] == [1, 2, 2, 1] and layout.bodies == 5
+    assert LayerLayout.of_keys(["7", "5-6", "1-4/2", "0"]) == layout
+    assert layer_paths(("layers", "1-4/2", "1", "mlp", "down", "kernel")) == (
+        "layers.2.mlp.down.kernel", "layers.4.mlp.down.kernel",
+    )  # fmt: skip
+    assert canonical_path("mu.layers.1-4/2.1.mlp.down.kernel") == "mu.layers.2.mlp.down.kernel"
+    assert canonical_path("layers.1-4/2.0.attn_norm.scale") == "layers.1.attn_norm.scale"
+    assert is_stacked(("layers", "1-4/2", "0", "attn", "qkv", "kernel"))
+    with pytest.raises(ValueError, match="must name one of its blocks 0..1 next"):
+        layer_paths(("layers", "1-4/2", "attn", "qkv", "kernel"))
+    with pytest.raises(ValueError, match="must be spelled '1-4'"):
+        LayerLayout.of_keys(["0", "1-4/1"])
+    with pytest.raises(ValueError, match="once each"):
+        LayerLayout.of_keys(["0", "1-4/2", "3"])
+    for runs in [((0, 5, 2),), ((0, 2, 2),), ((0, 4, 0),)]:
+        with pytest.raises(ValueError, match="must hold >= 2 whole repetitions"):
+            LayerLayout(6, runs)
+    with pytest.raises(ValueError, match="each run must be"):
+        LayerLayout(6, ((0, 4, 2, 1),))
+
+
+def test_group_trees_round_trip_and_may_hold_some_blocks():
+    layout = LayerLayout(6, runs=((1, 5, 2),))
+    per_layer = {"layers": {str(i): {"w": np.full((2, 3), i, np.float32)} for i in range(6)}}
+    tree = {"params": per_layer, "opt": {"mu": per_layer}}
+    stacked = layout.from_canonical(tree)
+    assert sorted(stacked["params"]["layers"]) == ["0", "1-4/2", "5"]
+    group = stacked["opt"]["mu"]["layers"]["1-4/2"]
+    assert sorted(group) == ["0", "1"] and group["1"]["w"][:, 0, 0].tolist() == [2, 4]
+    assert leaves_equal(layout.to_canonical(stacked), tree)
+    abstract = layout.to_canonical(jax.eval_shape(lambda: layout.from_canonical(per_layer)))
+    assert abstract["layers"]["3"]["w"].shape == (2, 3)
+    moe = {"layers": {"1-4/2": {"0": {"mlp": {"aux": np.array([1.0, 3.0])}}}}}  # block 1, 3 MoE
+    assert layout.to_canonical(moe) == {
+        "layers": {"1": {"mlp": {"aux": 1.0}}, "3": {"mlp": {"aux": 3.0}}}
+    }
+
+
+def test_global_norm_is_the_same_bits_for_groups_of_blocks():
+    layout = LayerLayout(7, runs=((0, 4, 2), (4, 6)))  # blocks 0-3: two shapes alternating
+    rng = np.random.default_rng(4)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))  # noqa: E731
+    block = lambda i: {"a": {"w": normal(3 + i % 2 * (i < 4), 5)}, "b": normal(7) * 1e3}  # noqa: E731
+    per_layer = {"embed": normal(9), "layers": {str(i): block(i) for i in range(7)}}
+    stacked = layout.from_canonical(per_layer)
+    assert sorted(stacked["layers"]) == ["0-3/2", "4-5", "6"]
+    norm = jax.jit(global_norm)
+    assert np.asarray(norm(stacked)).tobytes() == np.asarray(norm(per_layer)).tobytes()
+
+
+def test_alternating_dense_and_moe_blocks_are_stacked_as_one_group():
+    entries = lambda cfg: [key for key, _, _ in run_layout(cfg).entries]  # noqa: E731
+    assert entries(group_cfg()) == ["0", "1-4/2", "5"]
+    assert entries(group_cfg(layers=4, bf16_ends=False)) == ["0-3/2"]
+    assert entries(group_cfg(scan=False)) == [str(i) for i in range(6)]
+    assert run_layout(group_cfg(layers=10)).bodies == 4  # 0, 1-8/2 (two bodies), 9
+
+
+@pytest.fixture(scope="module")
+def group_states():
+    """{scan: (graphdef, step-0 state)} of `group_cfg()`, stacked or not."""
+    return {scan: initial(group_cfg(scan)) for scan in (True, False)}
+
+
+def test_a_seed_gives_the_same_weights_grouped_or_not(group_states):
+    (_, grouped), (_, plain) = group_states[True], group_states[False]
+    group = grouped.params["layers"]["1-4/2"]
+    assert sorted(group) == ["0", "1"] and "router" in group["0"]["mlp"]  # block 1 MoE, 2 dense
+    assert group["1"]["mlp"]["down"]["kernel"].shape == (2, 64, 32)
+    layout = run_layout(group_cfg())
+    assert leaves_equal(layout.to_canonical(grouped.params), plain.params)
+    assert leaves_equal(layout.to_canonical(grouped.opt_state), plain.opt_state)
+
+
+def test_the_jitted_init_gives_the_same_weights_grouped_or_not():
+    cfg = functools.partial(group_cfg, layers=4, bf16_ends=False)  # "0-3/2": one scanned init
+    scanned, plain = _jitted_init(cfg()), _jitted_init(cfg(scan=False))
+    assert leaves_equal(run_layout(cfg()).to_canonical(scanned.params), plain.params)
+    kernels = scanned.params["layers"]["0-3/2"]["0"]["mlp"]["down"]["kernel"]
+    assert not np.array_equal(kernels[0], kernels[1])  # blocks 0 and 2: each its own keys
+
+
+def test_the_init_of_a_group_does_not_grow_with_depth():
+    build = lambda cfg: nnx.split(model_spec(cfg).build(nnx.Rngs(params=0)))[1]  # noqa: E731
+    eqns = lambda cfg: len(jax.make_jaxpr(lambda: build(cfg))().jaxpr.eqns)  # noqa: E731
+    assert eqns(group_cfg(layers=10)) == eqns(group_cfg(layers=6))
+
+
+def test_unstacked_model_splits_groups(group_states):
+    graphdef, state = group_states[True]
+    model = unstacked(nnx.merge(graphdef, state.params))
+    assert list(model.layers.keys()) == [str(i) for i in range(6)]
+    kernel = model.layers["4"].mlp.down.kernel[...]
+    assert np.array_equal(kernel, state.params["layers"]["1-4/2"]["1"]["mlp"]["down"]["kernel"][1])
+
+
+def test_a_grouped_parameter_is_sharded_like_one_layer(group_states):
+    mesh = AbstractMesh((2, 2, 1, 2), AXES)
+    path = ("layers", "1-4/2", "0", "mlp", "experts", "gate_up", "kernel")
+    one = param_spec(("layers", "1", *path[3:]), (4, 32, 64), mesh)
+    assert param_spec(path, (2, 4, 32, 64), mesh) == P(None, *one)
+    params = group_states[True][1].params
+    shardings = tree_shardings(params, params, jax.make_mesh((1,) * len(AXES), AXES))
+    assert shardings["layers"]["1-4/2"]["1"]["mlp"]["down"]["kernel"].spec[0] is None
+
+
+def test_hf_import_maps_every_grouped_parameter_to_its_layer():
+    grouped = abstract_state(group_cfg())[1].params
+    plain = abstract_state(group_cfg(scan=False))[1].params
+    assert _canonical_shapes(grouped) == _canonical_shapes(plain)
+
+
+def test_a_checkpoint_of_groups_is_per_layer_and_restores_into_either_layout(
+    tmp_path, group_states
+):
+    state = jiggled(group_states[True][1])  # every parameter and moment its own value
+    grouped_layout = run_layout(group_cfg())
+    with Checkpoints(tmp_path, keep=2, layout=grouped_layout) as ckpts:
+        ckpts.save(1, state, data_iter_state={"i": 1}, config={"k": 1})
+    per_layer = {item: grouped_layout.to_canonical(getattr(state, item)) for item in LAYOUT_ITEMS}
+    for scan in (False, True):
+        layout = run_layout(group_cfg(scan))
+        with Checkpoints(tmp_path, keep=2, layout=layout) as ckpts:
+            restored = ckpts.restore(1, abstract_state(group_cfg(scan))[1]).state
+        want = ["0", "1-4/2", "5"] if scan else [str(i) for i in range(6)]
+        assert sorted(restored.params["layers"]) == want
+        for item in LAYOUT_ITEMS:
+            assert leaves_equal(layout.to_canonical(getattr(restored, item)), per_layer[item])
+
+
+def test_the_integrity_of_a_grouped_state_is_the_per_layer_one_on_disk(group_states):
+    state = jiggled(group_states[True][1])
+    on_disk = PerLayer(run_layout(group_cfg())).to_disk(state)
+    assert sorted(on_disk.params["layers"]) == [str(i) for i in range(6)]
+    stacked = state_integrity(state)
+    assert stacked == state_integrity(on_disk) and stacked["finite"]
+    assert not any("/" in path for path in stacked["checksums"])
+
+
+def _recording_sgd() -> optax.GradientTransformation:
+    """Leaves the parameters as they are and keeps the last gradients as its state."""
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda updates, state, params=None: (jax.tree.map(jnp.zeros_like, updates), updates),
+    )
+
+
+def _group_numerics_report() -> dict:
+    """One train step of 4 BF16 blocks, dense and MoE alternating, per layer and as one group
+    of 2 ("0-3/2"); run with `--xla_allow_excess_precision=false`. BF16: an NVFP4 step compiles
+    in twice the time, and what NVFP4 adds per block (its SR keys) is checked directly by
+    `test_each_block_of_a_scanned_group_gets_its_own_keys`."""
+    report = {}
+    for scan in (False, True):
+        cfg = scan_cfg("bf16", scan=scan, layers=4, overrides=MOE_EVERY_OTHER)
+        layout = run_layout(cfg)
+        graphdef, state = initial(cfg, _recording_sgd())
+        state, metrics = jax.jit(train_step_of(cfg, graphdef, _recording_sgd()))(state, batch(0))
+        report[f"scan={scan}"] = {
+            "layers": sorted(state.params["layers"]),
+            "metrics": {k: np.asarray(v).tolist() for k, v in flat_paths(metrics).items()},
+            "grads": digest(layout.to_canonical(state.opt_state)),
+            "params": digest(layout.to_canonical(state.params)),  # the router bias moved
+            "amax": {
+                k: np.asarray(v).tolist() for k, v in flat_amax(state.activation_amax).items()
+            },
+        }
+    return report
+
+
+@pytest.fixture(scope="module")
+def group_numerics() -> dict:
+    code = f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import test_scan; " \
+           "print(json.dumps(test_scan._group_numerics_report()))"  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_group_of_blocks_trains_bit_identically_to_its_layers(group_numerics):
+    plain, grouped = group_numerics["scan=False"], group_numerics["scan=True"]
+    assert grouped["layers"] == ["0-3/2"] and plain["layers"] == ["0", "1", "2", "3"]
+    assert plain["metrics"]["grad_norm"] > 0 and plain["metrics"]["moe.layers.3.max_load"] > 0
+    assert len(plain["amax"]) == 16 and all(
+        np.all(np.asarray(v) > 0) for v in plain["amax"].values()
+    )
+    for item in ("metrics", "grads", "params", "amax"):  # loss, grad norm, MoE load and losses
+        assert grouped[item] == plain[item], item
+
+
+def test_each_block_of_a_scanned_group_gets_its_own_keys():
+    # the SR keys of block start + q*period + j, as unstacked (`linear_keys`), for NVFP4
+    key, segment = jax.random.key(7), Segment("2-7/3", 2, 8, 3)
+
+    def apply(params, rest, x, keys, documents):
+        return x + params, {"keys": jnp.stack([jax.random.key_data(k) for k in keys])}
+
+    params = tuple(jnp.arange(2.0) + 10 * j for j in range(3))  # [repetitions] per block
+    x, sown = scan_segment((apply,) * 3, params, (None,) * 3, jnp.zeros(()), key, segment)
+    assert float(x) == sum(float(p.sum()) for p in params)
+    for i in range(2, 8):
+        q, j = divmod(i - 2, 3)
+        expected = jnp.stack([jax.random.key_data(k) for k in layer_keys(key, i)])
+        assert np.array_equal(sown[j]["keys"][q], expected), i

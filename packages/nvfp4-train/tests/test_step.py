@@ -255,12 +255,12 @@ def _linear_inputs(cfg, params, inputs_BxL):
     """Inputs (compute dtype) of layers.0.attn.qkv and layers.0.mlp.gate_up, computed directly."""
     from flax import nnx
 
-    from nvfp4_train.model.decoder import _layer_keys
+    from nvfp4_train.model.stacked_blocks import layer_keys
 
     graphdef, _ = compiled(cfg)
     model = unstacked(nnx.merge(graphdef, params))
     block = model.layers["0"]
-    keys = _layer_keys(jax.random.fold_in(jax.random.key(cfg.train.seed), 0), 0)
+    keys = layer_keys(jax.random.fold_in(jax.random.key(cfg.train.seed), 0), 0)
     x_BxLxD = model.embed(inputs_BxL)
     qkv_in = block.attn_norm(x_BxLxD).astype(cfg.model.compute_dtype)
     h_BxLxD = x_BxLxD + block.attn(block.attn_norm(x_BxLxD), keys[0:2])

@@ -107,9 +107,9 @@ def state_integrity(state: Any) -> dict[str, Any]:
     """{"algorithm", "finite": bool, "checksums": {item.path: [s1, s2]}} of a TrainState.
 
     The paths are per layer whatever the layout: an array of stacked blocks
-    (`params.layers.1-30...`, `model.stacking`) has one checksum pair per block, under the path
-    each block has once split (`params.layers.1...`, ...), the same pair its slice has. One
-    jitted program computes them all, vmapped over the blocks of each stacked array and over
+    (`params.layers.1-30...`, `params.layers.1-30/2.0...`: `model.stacking`) has one checksum
+    pair per block, under the path each block has once split (`params.layers.1...`, ...), the
+    same pair its slice has. One jitted program computes them all, vmapped over the blocks of each stacked array and over
     the small arrays of each shape and dtype, so it does not grow with depth.
     """
     flat = [(_names(path), x) for path, x in jax.tree_util.tree_flatten_with_path(_items(state))[0]]

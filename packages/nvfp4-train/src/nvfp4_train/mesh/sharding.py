@@ -135,9 +135,10 @@ def kernel_axes(module: str) -> tuple[str | None, ...] | None:
 def param_spec(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> P:
     """The PartitionSpec of the parameter at `path` (e.g. `("layers", "0", "attn", "qkv",
     "kernel")`); norm scales and unknown leaves are replicated. A routed expert's kernel
-    `mlp.experts.*.kernel` [E, in, out] is split along E over `expert` (`_EXPERT_RULES`). A stacked block's parameter
-    (`("layers", "1-30", ...)`, a leading layer axis) is split like one layer's, never along
-    the layer axis."""
+    `mlp.experts.*.kernel` [E, in, out] is split along E over `expert` (`_EXPERT_RULES`). A
+    stacked block's parameter (`("layers", "1-30", ...)`, or `("layers", "1-30/2", "0", ...)`
+    in a repeating group; a leading layer axis) is split like one layer's, never along the
+    layer axis."""
     if is_stacked(path) and len(shape) >= 1:
         return P(None, *param_spec(path[-3:], shape[1:], mesh))
     owner = path[-2] if len(path) >= 2 and path[-1] in ("kernel", "embedding") else None

@@ -16,9 +16,11 @@ Parameter tree (float32 master weights; kernels [in, out]):
     final_norm.scale                [d_model]
     lm_head.kernel                  [d_model, vocab]   (absent when tie_embeddings)
 Layer indices `i` are string keys "0", "1", ... in the parameter dict. With `scan_layers`, runs of
-blocks that compute alike are stored stacked instead (`layers.{first}-{last}...`, a leading layer
-axis; see `nvfp4_train.model.stacking`) and run under `jax.lax.scan`; `remat` recomputes each block's
-activations in the backward pass according to a `jax.checkpoint` policy.
+blocks that compute alike, and runs of repeating groups of blocks, are stored stacked instead
+(`layers.{first}-{last}...`, `layers.{first}-{last}/{period}.{j}...`, a leading axis of
+repetitions; see `nvfp4_train.model.stacking`) and run under `jax.lax.scan`
+(`nvfp4_train.model.stacked_blocks`); `remat` recomputes each block's activations in the backward
+pass according to a `jax.checkpoint` policy.
 Its configuration (`ModelConfig`, `block_linear_names`, `linear_paths`, ...): `nvfp4_train.model.config`.
 """
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,28 +36,29 @@ from flax import nnx
 
 import nvfp4_ops
 from nvfp4_train.model.blocks.attention import document_positions
-from nvfp4_train.model.blocks.block import Block, MixerBlock, make_block
-from nvfp4_train.model.blocks.linear import INPUT_AMAX, sow_input_amax
 from nvfp4_train.model.blocks.norms import RMSNorm
 from nvfp4_train.model.blocks.self_attention import Documents
 from nvfp4_train.model.config import (
-    BLOCK_KEYS,
     REMAT_POLICIES,
     ModelConfig,
     block_linear_names,
     block_params,
     linear_paths,
 )
-from nvfp4_train.model.stacking import LayerLayout, runs_of
+from nvfp4_train.model.layer_groups import MAX_GROUP_PERIOD, groups_of
+from nvfp4_train.model.stacked_blocks import build_segment, layer_keys, members, run_segment
+from nvfp4_train.model.stacking import LayerLayout
 
 
 def layer_layout(
     cfg: ModelConfig, recipes: dict[str, nvfp4_ops.Recipe], no_decay: Sequence[str] = ()
 ) -> LayerLayout:
-    """Which blocks are stacked: with `cfg.scans`, every run of >= 2 consecutive blocks whose
-    four linears have the same recipes and whose parameters match the same `no_decay` patterns
-    (the optimizer's weight-decay exclusions, searched in `layers.{i}.attn_norm.scale` etc.);
-    dense and MoE blocks are never stacked together."""
+    """Which blocks are stacked: with `cfg.scans`, the runs `layer_groups.groups_of` picks from
+    the blocks' signatures (a block's linear names, their recipes, and which of its parameters
+    match the `no_decay` patterns, the optimizer's weight-decay exclusions, searched in
+    `layers.{i}.attn_norm.scale` etc.): runs of >= 2 alike blocks, and runs of >= 2 repetitions
+    of a group of up to `MAX_GROUP_PERIOD` blocks (dense and MoE blocks alternating: a group of
+    2); blocks of different signatures never share a stacked block."""
     if not cfg.scans:
         return LayerLayout(cfg.num_layers)
     patterns = [re.compile(p) for p in no_decay]
@@ -68,86 +70,29 @@ def layer_layout(
         names = block_linear_names(cfg, i)
         return names, tuple(recipes[f"layers.{i}.{name}"] for name in names), decays
 
-    return LayerLayout(cfg.num_layers, runs_of([signature(i) for i in range(cfg.num_layers)]))
+    signatures = [signature(i) for i in range(cfg.num_layers)]
+    return LayerLayout(cfg.num_layers, groups_of(signatures, MAX_GROUP_PERIOD))
 
 
-def _traced(rngs: nnx.Rngs) -> bool:
-    """Whether `rngs` holds tracers: the model is being built inside `jax.jit` (or another
-    transformation) rather than op by op."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(nnx.state(rngs)))
-
-
-def _blocks_one_by_one(
-    cfg: ModelConfig,
-    recipes: dict[str, nvfp4_ops.Recipe],
-    start: int,
-    stop: int,
-    rngs: nnx.Rngs,
-    backend: str | tuple[str, ...],
-) -> Block | MixerBlock:
-    """Blocks `start` .. `stop - 1` built one after another and stacked along a new leading axis:
-    the eager (op-by-op) init, which rounds `init_std * normal` as the unstacked eager init does
-    (a compiled scan fuses the product and may round it one ulp apart)."""
-    blocks = [make_block(cfg, recipes, i, rngs=rngs, backend=backend) for i in range(start, stop)]
-    graphdef, _ = nnx.split(blocks[0])
-    states = [nnx.split(block)[1] for block in blocks]
-    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
-
-
-def _scanned_blocks(
-    cfg: ModelConfig,
-    recipes: dict[str, nvfp4_ops.Recipe],
-    start: int,
-    stop: int,
-    rngs: nnx.Rngs,
-    backend: str | tuple[str, ...],
-) -> Block | MixerBlock:
-    """Blocks `start` .. `stop - 1` (alike: one graph) as ONE Block whose variables have a
-    leading layer axis, initialised by a `jax.lax.scan` over the layers, so that the init
-    program holds one block whatever the depth. The scan carries the state of `rngs` (every
-    stream's key and counter): each block draws the keys it would draw built on its own after
-    the blocks before it, and `rngs` is left where building them one by one would leave it.
-    Under `jax.jit` the values are bit for bit those of `_blocks_one_by_one` under `jax.jit`."""
-    rngs_graphdef, rngs_state = nnx.split(rngs)
-    graphdefs = []
-
-    def build(state: Any, _: None) -> tuple[Any, Any]:
-        layer_rngs = nnx.merge(rngs_graphdef, state)
-        graphdef, block_state = nnx.split(
-            make_block(cfg, recipes, start, rngs=layer_rngs, backend=backend)
-        )
-        graphdefs.append(graphdef)
-        return nnx.state(layer_rngs), block_state
-
-    rngs_state, stacked = jax.lax.scan(build, rngs_state, length=stop - start)
-    nnx.update(rngs, rngs_state)
-    return nnx.merge(graphdefs[0], stacked)
-
-
-def _resow(module: nnx.Module, sown: dict[str, Any]) -> None:
-    """Sows the values of `sown` (a pure dict as a block's capture returns it) on the same
-    submodules of `module` (with a leading layer axis for a stacked block): `INPUT_AMAX`
-    max-reduced with what is there, every other statistic (an MoE block's) as it is."""
-    for name, value in sown.items():
-        if name == INPUT_AMAX:
-            sow_input_amax(module, value)
-        elif isinstance(value, dict):
-            _resow(getattr(module, name), value)
-        else:
-            module.sow(nnx.Intermediate, name, value, reduce_fn=lambda _, new: new)
-
-
-def _block_fn(graphdef: nnx.GraphDef, policy: Any, constrain=None):
-    """`f(params, rest, x, keys, documents) -> (y, sown input amax)`: one block as a pure
-    function, under `jax.checkpoint(policy=policy)` when a policy is given; `constrain` as in
-    `Llama.__call__`."""
-
-    def apply(params, rest, x_BxLxD, keys, documents):
-        block = nnx.merge(graphdef, params, rest)
-        y, sown = nnx.capture(block, nnx.Intermediate)(x_BxLxD, keys, documents, constrain)
-        return y, nnx.to_pure_dict(sown)
-
-    return apply if policy is None else jax.checkpoint(apply, policy=policy)
+def _check_runs(cfg: ModelConfig, recipes: dict[str, nvfp4_ops.Recipe], layout: LayerLayout):
+    """ValueError unless every block of every run of `layout` has the linears and recipes of
+    the block it repeats (block `start + (i - start) % period` of its run's first group)."""
+    if layout.num_layers != cfg.num_layers:
+        raise ValueError(f"layout is of {layout.num_layers} blocks, the model has {cfg.num_layers}")
+    for start, stop, period in layout.runs:
+        differ = []
+        for i in range(start + period, stop):
+            first = start + (i - start) % period
+            names, first_names = block_linear_names(cfg, i), block_linear_names(cfg, first)
+            differ += [f"layers.{i}.{n}" for n in names if n not in first_names or
+                       recipes[f"layers.{i}.{n}"] != recipes[f"layers.{first}.{n}"]]  # fmt: skip
+            differ += [f"layers.{first}.{n}" for n in first_names if n not in names]
+        if differ:
+            group = f" in groups of {period}" if period > 1 else ""
+            raise ValueError(
+                f"layout stacks blocks {start}..{stop - 1}{group}, but {differ} differ from the "
+                "blocks they repeat"
+            )
 
 
 class Llama(nnx.Module):
@@ -190,29 +135,11 @@ class Llama(nnx.Module):
             cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=init, rngs=rngs
         )
         self.layout = layer_layout(cfg, recipes) if layout is None else layout
-        if self.layout.num_layers != cfg.num_layers:
-            raise ValueError(
-                f"layout is of {self.layout.num_layers} blocks, the model has {cfg.num_layers}"
-            )
-        for start, stop in self.layout.runs:
-            differ = [
-                f"layers.{i}.{n}" for i in range(start + 1, stop)
-                for n in block_linear_names(cfg, i)
-                if recipes[f"layers.{i}.{n}"] != recipes.get(f"layers.{start}.{n}")
-            ]  # fmt: skip
-            if differ:
-                raise ValueError(f"layout stacks blocks {start}..{stop - 1}, but {differ} differ")
+        _check_runs(cfg, recipes, self.layout)
         # built in model order in any layout, each block drawing the same keys, so that a seed
-        # gives the same weights stacked or not; under a trace (the run's jitted init) a run of
-        # stacked blocks is built by one scanned init, whose program does not grow with depth
-        build_run = _scanned_blocks if _traced(rngs) else _blocks_one_by_one
+        # gives the same weights stacked or not (`stacked_blocks.build_segment`)
         self.layers = nnx.Dict(
-            {
-                key: make_block(cfg, recipes, start, rngs=rngs, backend=backend)
-                if stop - start == 1
-                else build_run(cfg, recipes, start, stop, rngs, backend)
-                for key, start, stop in self.layout.entries
-            }
+            {s.key: build_segment(cfg, recipes, s, rngs, backend) for s in self.layout.segments}
         )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_embeddings:
@@ -252,18 +179,9 @@ class Llama(nnx.Module):
         documents = _documents(inputs_BxL, segment_ids_BxL, positions_BxL)
         x_BxLxD = self.embed(inputs_BxL)
         policy = REMAT_POLICIES[self.cfg.remat]
-        for name, start, stop in self.layout.entries:
-            block = self.layers[name]
-            if stop - start == 1 and policy is None:
-                x_BxLxD = block(x_BxLxD, _layer_keys(key, start), documents, constrain)
-                continue
-            graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-            apply = _block_fn(graphdef, policy, constrain)
-            if stop - start == 1:
-                x_BxLxD, sown = apply(params, rest, x_BxLxD, _layer_keys(key, start), documents)
-            else:
-                x_BxLxD, sown = _scan(apply, params, rest, x_BxLxD, key, start, stop, documents)
-            _resow(block, sown)
+        for segment in self.layout.segments:
+            block = self.layers[segment.key]
+            x_BxLxD = run_segment(block, segment, x_BxLxD, key, documents, policy, constrain)
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
             emb_VxD = self.embed.embedding[...].astype(x_BxLxD.dtype)
@@ -272,21 +190,22 @@ class Llama(nnx.Module):
 
 
 def unstacked(model: Llama) -> Llama:
-    """A copy of `model` with one Block per layer (its stacked blocks split, their parameters
-    slices of the stacked ones) and no remat: the model as telemetry's capture mode sees it.
-    An unstacked model is copied as it is."""
+    """A copy of `model` with one Block per layer (its stacked blocks and groups split, their
+    parameters slices of the stacked ones) and no remat: the model as telemetry's capture mode
+    sees it. An unstacked model is copied as it is."""
     copy = nnx.merge(*nnx.split(model))
     if not copy.layout.scanned and copy.cfg.remat == "none":
         return copy
     layers = {}
-    for key, start, stop in copy.layout.entries:
+    for key, start, stop, period in copy.layout.segments:
         if stop - start == 1:
             layers[key] = copy.layers[key]
             continue
-        graphdef, state = nnx.split(copy.layers[key])
-        for j in range(stop - start):
-            layers[str(start + j)] = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
-    copy.layers = nnx.Dict(layers)
+        for j, block in enumerate(members(copy.layers[key], period)):
+            graphdef, state = nnx.split(block)
+            for q, i in enumerate(range(start + j, stop, period)):
+                layers[str(i)] = nnx.merge(graphdef, jax.tree.map(lambda a, q=q: a[q], state))
+    copy.layers = nnx.Dict({key: layers[key] for key in sorted(layers, key=int)})
     copy.layout = LayerLayout(copy.cfg.num_layers)
     copy.cfg = dataclasses.replace(copy.cfg, scan_layers=False, remat="none")
     return copy
@@ -296,7 +215,7 @@ def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array 
     """The stochastic-rounding key each linear gets from `Llama.__call__(..., key=key)`, by path."""
     keys = {}
     for i in range(cfg.num_layers):
-        for name, linear_key in zip(block_linear_names(cfg, i), _layer_keys(key, i), strict=False):
+        for name, linear_key in zip(block_linear_names(cfg, i), layer_keys(key, i), strict=False):
             keys[f"layers.{i}.{name}"] = linear_key
     return keys
 
@@ -317,26 +236,3 @@ def _documents(
     if positions_BxL is None:
         positions_BxL = document_positions(segment_ids_BxL)
     return segment_ids_BxL, positions_BxL
-
-
-def _scan(apply, params, rest, x_BxLxD, key, start: int, stop: int, documents=None):
-    """Runs the stacked blocks `start` .. `stop - 1` over `x` with `jax.lax.scan`; each gets the
-    keys it would get unstacked. Returns (x, sown input amax with a leading layer axis)."""
-    if key is None:
-        keys = None
-    else:  # one batched derivation (fold_in of a traced index is the same as of an int)
-        keys = jax.vmap(lambda i: jnp.stack(_layer_keys(key, i)))(jnp.arange(start, stop))
-
-    def body(x, xs):
-        layer_params, layer_keys = xs
-        layer_keys = (None,) * BLOCK_KEYS if layer_keys is None else tuple(layer_keys)
-        return apply(layer_params, rest, x, layer_keys, documents)
-
-    return jax.lax.scan(body, x_BxLxD, (params, keys))
-
-
-def _layer_keys(key: jax.Array | None, layer: int) -> tuple[jax.Array | None, ...]:
-    if key is None:
-        return (None,) * BLOCK_KEYS
-    layer_key = jax.random.fold_in(key, layer)
-    return tuple(jax.random.fold_in(layer_key, j) for j in range(BLOCK_KEYS))
