@@ -242,7 +242,7 @@ QUICK = {
                                    "test_model.py::test_rope_matches_rotate_half_reference"),
     "packages/nvfp4-export/tests": ("test_formats.py", "test_dense_names.py", "test_linears.py",
                                     "test_servers.py", "test_serving_rules.py"),
-    "integration_tests": ("test_policy_agreement.py",),
+    "integration_tests": ("test_policy_agreement.py", "test_code_size.py"),
 }  # fmt: skip
 """`nox -s quick`: per package the tests of its core contracts that run in seconds."""
 

@@ -65,3 +65,31 @@ def signal_each(targets: dict[str, tuple[subprocess.Popen, Path, int, int]]) -> 
                 raise AssertionError(f"{name} ended before step {step}: {out[-1500:]}{err[-3000:]}")
         time.sleep(0.005)
     return seen
+
+
+def straight_and_resumed(root: Path, cfg, stop_at: int) -> tuple[Path, Path]:
+    """Trains `cfg` straight to `cfg.train.steps` in `root/straight`, and the same run in
+    `root/resumed` stopped after `stop_at` steps and resumed to the end, in-process; returns both
+    run directories (their final checkpoints should be the same bits)."""
+    import dataclasses
+    import io
+
+    from nvfp4_train.training.run import run
+
+    run(dataclasses.replace(cfg, output_dir=str(root / "straight")), stream=io.StringIO())
+    first = dataclasses.replace(cfg, output_dir=str(root / "resumed"))
+    run(dataclasses.replace(first, train=dataclasses.replace(first.train, steps=stop_at)),
+        stream=io.StringIO())  # fmt: skip
+    run(first, stream=io.StringIO())
+    return root / "straight", root / "resumed"
+
+
+def final_state(run_dir: Path):
+    """The train state of the run's newest checkpoint."""
+    from nvfp4_train.checkpoint.checkpoints import Checkpoints
+    from nvfp4_train.training.resume import abstract_state
+    from nvfp4_train.training.session import load_run_config, with_data
+
+    cfg, _ = with_data(load_run_config(run_dir))
+    with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:
+        return ckpts.restore(ckpts.latest_step(), abstract_state(cfg)[1]).state

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from run_reading import final_state, straight_and_resumed
 
 import nvfp4_ops
-from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.blocks.mamba_config import MambaConfig
@@ -22,9 +22,7 @@ from nvfp4_train.model.config import ModelConfig, block_params, linear_paths
 from nvfp4_train.model.decoder import Llama
 from nvfp4_train.model.moe.config import MoEConfig
 from nvfp4_train.precision.policy import PrecisionConfig, layer_recipe_names
-from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.run import run
-from nvfp4_train.training.session import load_run_config, with_data
 
 MAMBA = {"num_heads": 8, "head_dim": 4, "state_dim": 6, "n_groups": 2, "chunk_size": 8}
 HYBRID = {"d_model": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 64,
@@ -157,23 +155,11 @@ HYBRID_RUN = {
 def hybrid_runs(tmp_path_factory, tiny_config):
     """A 4-step NVFP4 hybrid run, and the same run stopped after 2 steps and resumed."""
     root = tmp_path_factory.mktemp("hybrid")
-    straight = config_from_dict(tiny_config(root / "straight", **HYBRID_RUN))
-    run(straight, stream=io.StringIO())
-    first = dataclasses.replace(straight, output_dir=str(root / "resumed"))
-    first = dataclasses.replace(first, train=dataclasses.replace(first.train, steps=2))
-    run(first, stream=io.StringIO())
-    run(dataclasses.replace(first, train=straight.train), stream=io.StringIO())
-    return root / "straight", root / "resumed"
-
-
-def _final_state(run_dir):
-    cfg, _ = with_data(load_run_config(run_dir))
-    with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:
-        return ckpts.restore(ckpts.latest_step(), abstract_state(cfg)[1]).state
+    return straight_and_resumed(root, config_from_dict(tiny_config(root, **HYBRID_RUN)), 2)
 
 
 def test_hybrid_run_resumes_bit_identically(hybrid_runs):
-    straight, resumed = (_final_state(d) for d in hybrid_runs)
+    straight, resumed = (final_state(d) for d in hybrid_runs)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), straight, resumed)
     assert all(jax.tree.leaves(same))
     amax = straight.activation_amax["layers"]["0"]["mamba"]

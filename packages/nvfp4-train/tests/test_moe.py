@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from run_reading import final_state, straight_and_resumed
 
 import nvfp4_ops
-from nvfp4_train.checkpoint.checkpoints import Checkpoints
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.config import ModelConfig, block_params, linear_paths, moe_layers
@@ -24,9 +24,8 @@ from nvfp4_train.model.moe.dispatch import combine, dispatch, gather_rows
 from nvfp4_train.model.moe.layer import MoEMLP
 from nvfp4_train.model.moe.routing import expert_counts, load_balancing_loss, route
 from nvfp4_train.observe.metrics import read_metrics
-from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.run import run
-from nvfp4_train.training.session import load_run_config, with_data
+from nvfp4_train.training.session import load_run_config
 
 MOE = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 32}
 
@@ -184,23 +183,11 @@ MOE_RUN = {
 def moe_runs(tmp_path_factory, tiny_config):
     """A 4-step NVFP4 MoE run, and the same run stopped after 2 steps and resumed."""
     root = tmp_path_factory.mktemp("moe")
-    straight = config_from_dict(tiny_config(root / "straight", **MOE_RUN))
-    run(straight, stream=io.StringIO())
-    first = dataclasses.replace(straight, output_dir=str(root / "resumed"))
-    first = dataclasses.replace(first, train=dataclasses.replace(first.train, steps=2))
-    run(first, stream=io.StringIO())
-    run(dataclasses.replace(first, train=straight.train), stream=io.StringIO())
-    return root / "straight", root / "resumed"
-
-
-def _final_state(run_dir):
-    cfg, _ = with_data(load_run_config(run_dir))
-    with Checkpoints(run_dir / "checkpoints", keep=3) as ckpts:
-        return ckpts.restore(ckpts.latest_step(), abstract_state(cfg)[1]).state
+    return straight_and_resumed(root, config_from_dict(tiny_config(root, **MOE_RUN)), 2)
 
 
 def test_moe_run_resumes_bit_identically(moe_runs):
-    straight, resumed = (_final_state(d) for d in moe_runs)
+    straight, resumed = (final_state(d) for d in moe_runs)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), straight, resumed)
     assert all(jax.tree.leaves(same))
     bias = np.asarray(straight.params["layers"]["0"]["mlp"]["router"]["score_bias"])
