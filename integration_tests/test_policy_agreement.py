@@ -11,6 +11,9 @@ training's table.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -56,11 +59,28 @@ def test_export_rederives_the_recipe_map_training_records(precision, layers):
     assert linear_recipes(spec, to_dict(cfg), None) == recorded
 
 
-def test_export_checks_the_moe_classes_training_allows():
+def _documented_moe_classes() -> dict[str, dict[str, tuple]]:
+    """docs/checkpoint-schema.md's table of the `model.moe` values each MoE class builds."""
+    text = (Path(__file__).parents[1] / "docs" / "checkpoint-schema.md").read_text()
+    section = text.split("### The `model.moe` values each Mixture-of-Experts class builds")[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    keys = [cell.strip(" `") for cell in rows[0].split("|")[2:-1]]
+    table = {}
+    for row in rows[1:]:
+        cells = [cell.strip(" `") for cell in row.split("|")[1:-1]]
+        table[cells[0]] = {key: (ast.literal_eval(value),)
+                           for key, value in zip(keys, cells[1:], strict=True) if value != "any"}  # fmt: skip
+    return table
+
+
+def test_export_and_training_check_the_documented_moe_classes():
     from nvfp4_export.moe_spec import MOE_ARCHITECTURES as EXPORT_MOE
     from nvfp4_train.model.moe.config import MOE_ARCHITECTURES as TRAIN_MOE
 
-    assert EXPORT_MOE == TRAIN_MOE
+    documented = _documented_moe_classes()
+    assert set(documented) == {"qwen3_moe", "mixtral", "qwen2_moe"}
+    assert documented == TRAIN_MOE
+    assert documented == EXPORT_MOE
 
 
 @pytest.mark.parametrize(

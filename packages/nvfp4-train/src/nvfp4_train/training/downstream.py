@@ -23,8 +23,7 @@ from nvfp4_train.observe.output_files import refuse_existing
 from nvfp4_train.tasks import Task, TaskError, TaskResult, load_task, score_task
 from nvfp4_train.tasks.scoring import document_windows, request_window
 from nvfp4_train.tasks.windows import score_windows
-from nvfp4_train.training.evaluation import EVAL_FORWARDS, eval_graphdef, newest_state
-from nvfp4_train.training.session import exclusive, load_run_config, with_data
+from nvfp4_train.training.evaluation import EVAL_FORWARDS, eval_graphdef, newest_state, opened_run
 from nvfp4_train.training.step import make_score_step
 
 TABLE_METRICS = ("acc", "acc_norm", "perplexity", "word_perplexity", "bits_per_byte")
@@ -157,13 +156,8 @@ def run_scorer(run_dir: str | Path, *, forward: str = "run", stream: TextIO | No
         ConfigError: not a run directory, or no readable checkpoint.
         ValueError: `forward` is not one of `EVAL_FORWARDS`.
     """
-    if forward not in EVAL_FORWARDS:
-        raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
     stream = sys.stdout if stream is None else stream
-    run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    with exclusive(run_dir):
-        cfg, datasets = with_data(cfg)
+    with opened_run(run_dir, forward) as (cfg, datasets, run_dir):
         graphdef, restored = newest_state(cfg, run_dir, stream)
     model = eval_graphdef(cfg, graphdef, forward, restored.step)
     logprob_fn = logprob_function(model, restored.state.params, seed=cfg.train.seed)

@@ -3,7 +3,9 @@ the run used at that step, the quantized forward an export reproduces, or that f
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -54,13 +56,30 @@ def evaluate_run(
         ConfigError: `run_dir` is not a run directory, has no checkpoint, or no validation data.
         ValueError: `forward` is not one of `EVAL_FORWARDS`.
     """
+    stream = sys.stdout if stream is None else stream
+    with opened_run(run_dir, forward) as (cfg, datasets, run_dir):
+        return _evaluate(cfg, datasets, run_dir, forward, stream)
+
+
+@contextlib.contextmanager
+def opened_run(run_dir: str | Path, forward: str) -> Iterator[tuple[Config, Any, Path]]:
+    """A run directory opened for evaluation, as `evaluate_run` and `downstream.run_scorer` do:
+    `forward` checked, the run's config loaded, its lock held while the context lasts; yields
+    (the config with `model.vocab_size` filled, its datasets, the run directory as a Path).
+
+    Raises:
+        ConfigError: `run_dir` is not a run directory, or has no checkpoint.
+        ValueError: `forward` is not one of `EVAL_FORWARDS`.
+    """
     if forward not in EVAL_FORWARDS:
         raise ValueError(f"forward must be one of {EVAL_FORWARDS}, got {forward!r}")
-    stream = sys.stdout if stream is None else stream
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     with exclusive(run_dir):
-        return _evaluate(cfg, run_dir, forward, stream)
+        if not (run_dir / CHECKPOINT_DIR).is_dir():
+            raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
+        cfg, datasets = with_data(cfg)
+        yield cfg, datasets, run_dir
 
 
 def eval_graphdef(cfg: Config, graphdef: Any, forward: str, step: int) -> Any:
@@ -100,11 +119,10 @@ def newest_state(cfg: Config, run_dir: Path, stream: TextIO) -> tuple[Any, Any]:
     return graphdef, restored
 
 
-def _evaluate(cfg: Config, run_dir: Path, forward: str, stream: TextIO) -> dict[str, Any]:
+def _evaluate(
+    cfg: Config, datasets: Any, run_dir: Path, forward: str, stream: TextIO
+) -> dict[str, Any]:
     """`evaluate_run` inside the run directory's lock."""
-    if not (run_dir / CHECKPOINT_DIR).is_dir():
-        raise ConfigError(f"{str(run_dir)!r} has no checkpoint to evaluate")
-    cfg, datasets = with_data(cfg)
     cfg = with_document_bound(cfg, datasets, sayer(stream))
     batches = eval_batches(cfg, datasets)
     if not batches:
