@@ -138,7 +138,8 @@ def test_each_export_verifies_against_the_run(trained, layout):
     report = verify(exports[layout], against=run)
     assert report.problems == () and report.ok and report.complete, report
     by_name = {c.name: c for c in report.comparisons}
-    assert by_name["NumPy emulation of the trained model"].passed  # vs the JAX reference logits
+    emulation = by_name["NumPy emulation of the trained model"]  # vs the JAX reference logits
+    assert emulation.passed is None and "routing ties" in emulation.note  # informational for MoE
 
 
 @pytest.mark.parametrize("layout", ["modelopt", "compressed-tensors"])

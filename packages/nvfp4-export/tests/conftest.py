@@ -280,3 +280,22 @@ def arch_runs(tmp_path_factory) -> dict[str, Path]:
         case: write_run(root / case, model=model_config(**SMALL_MODEL, **options))
         for case, options in ARCH_CASES.items()
     }
+
+
+def set_scalar_and_reseal(export_dir: Path, tensor: str, value: float) -> None:
+    """Overwrites the float32 scalar `tensor` of an export in place and re-seals its manifest
+    (what an export bug that writes a wrong value would leave: the checksums agree)."""
+    from nvfp4_export.manifest import FILES, MANIFEST, SELF_SHA256, seal
+    from nvfp4_format.safetensors_header import read_safetensors_header
+
+    index = export_dir / "model.safetensors.index.json"
+    file = json.loads(index.read_text())["weight_map"][tensor] if index.is_file() else None
+    path = export_dir / (file or "model.safetensors")
+    info = read_safetensors_header(path).tensors[tensor]
+    data = bytearray(path.read_bytes())
+    data[info.begin : info.begin + 4] = np.float32(value).tobytes()
+    path.write_bytes(bytes(data))
+    manifest = json.loads((export_dir / MANIFEST).read_text())
+    files = list(manifest.pop(FILES))
+    manifest.pop(SELF_SHA256)
+    (export_dir / MANIFEST).write_text(json.dumps(seal(manifest, export_dir, files)))

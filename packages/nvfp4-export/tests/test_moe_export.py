@@ -11,10 +11,28 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import MOE_CASES, SMALL_MODEL, model_config, trained_stats, write_run
+from conftest import (
+    MOE_CASES,
+    SMALL_MODEL,
+    add_pytree_item,
+    model_config,
+    set_scalar_and_reseal,
+    trained_stats,
+    write_run,
+)
 
-from nvfp4_export import ExportError, export_hf, load_export, read_checkpoint, resolve_checkpoint
-from nvfp4_export.verify import verify
+from nvfp4_export import (
+    ExportError,
+    export_hf,
+    forward,
+    load_export,
+    read_checkpoint,
+    resolve_checkpoint,
+    spec_from_config,
+)
+from nvfp4_export.policy import linear_recipes
+from nvfp4_export.reload import weights_from_checkpoint
+from nvfp4_export.verify import MOE_ROUTING_NOTE, render, verify
 
 ALL_FP4 = {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 0}
 
@@ -169,6 +187,36 @@ def test_verify_catches_unequal_and_zero_expert_scales(moe_runs, tmp_path):
     assert "layer 0 expert 1: weight_scale_2 of" in problems and "differ" in problems
     assert "layer 0 expert 2: a zero input_scale" in problems
     assert f"{base}.1.w3.weight_scale_2" not in problems or "differs from" in problems
+
+
+@pytest.mark.parametrize(
+    ("layout", "suffix"),
+    [("modelopt", "input_scale"), ("compressed-tensors", "input_global_scale")],
+)
+def test_verify_compares_every_expert_input_scale_with_the_runs_amax(
+    moe_runs, tmp_path, layout, suffix
+):
+    out = export_hf(moe_runs["mixtral"], tmp_path / "out", layout=layout).out_dir
+    tensor = f"model.layers.0.block_sparse_moe.experts.2.w2.{suffix}"
+    set_scalar_and_reseal(out, tensor, 1e6)  # the checksums agree, as after an export bug
+    report = verify(out, against=moe_runs["mixtral"])
+    (problem,) = [p for p in report.problems if p.startswith(tensor)]
+    assert f"{tensor} is 1000000, expected " in problem and "quant_stats" in problem
+
+
+def test_moe_emulation_vs_the_jax_forward_is_informational(tmp_path):
+    run = _run(tmp_path)
+    ckpt = read_checkpoint(resolve_checkpoint(run))
+    spec = spec_from_config(ckpt.config, ckpt.params)
+    weights = weights_from_checkpoint(ckpt, spec, linear_recipes(spec, ckpt.config, None), {})
+    tokens = np.random.default_rng(3).integers(0, 257, size=(3, 16)).astype(np.int32)
+    logits = forward(weights, tokens)[::-1].copy()  # as if routing ties flipped every expert
+    add_pytree_item(run / "checkpoints" / "2", "reference", {"tokens": tokens, "logits": logits})
+    report = verify(export_hf(run, tmp_path / "mo", layout="modelopt").out_dir, against=run)
+    first = report.comparisons[0]
+    assert first.passed is None and first.top1 < 0.9 and report.ok, report
+    assert first.note == MOE_ROUTING_NOTE and "the run's JAX forward" in first.against
+    assert f"[info: {MOE_ROUTING_NOTE}]" in render(report)
 
 
 def test_onnx_export_of_moe_is_refused(moe_runs, tmp_path):

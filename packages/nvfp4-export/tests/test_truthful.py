@@ -11,7 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SMALL_MODEL, VOCAB, add_pytree_item, model_config, write_run
+from conftest import (
+    SMALL_MODEL,
+    VOCAB,
+    add_pytree_item,
+    model_config,
+    set_scalar_and_reseal,
+    write_run,
+)
 
 from nvfp4_export import (
     ExportError,
@@ -233,6 +240,33 @@ def test_10_an_edited_head_count_is_a_problem_not_a_transformers_traceback(
     assert "Traceback" not in captured.out + captured.err
 
 
+# --- issue 48: verify compares every exported input scale tensor with the run's amax ---------
+
+W4A4_LINE = "export reload, W4A4 with the input scale tensors of the files"
+
+
+@pytest.mark.parametrize(
+    ("layout", "suffix"),
+    [("modelopt", "input_scale"), ("compressed-tensors", "input_global_scale")],
+)
+def test_48_a_wrong_input_scale_under_a_resealed_manifest_fails_naming_it(
+    run, exports, tmp_path, layout, suffix
+):
+    tensor = f"model.layers.0.self_attn.o_proj.{suffix}"
+    before = verify(exports[layout], against=run)
+    assert before.ok, before
+    copy = shutil.copytree(exports[layout], tmp_path / "copy")
+    set_scalar_and_reseal(copy, tensor, 1e6)
+    assert verify(copy).problems != ()  # without --against: against the manifest's amax
+    report = verify(copy, against=run)
+    assert not report.ok and not any("SHA-256" in p for p in report.problems), report.problems
+    (problem,) = [p for p in report.problems if p.startswith(tensor)]
+    assert f"{tensor} is 1000000, expected " in problem and "quant_stats" in problem
+    # the W4A4 line quantizes activations with the scales read from the files, not the manifest
+    w4a4 = [{c.name: c for c in r.comparisons}[W4A4_LINE] for r in (before, report)]
+    assert w4a4[0].max_abs != w4a4[1].max_abs
+
+
 # --- 13: --calibrate says how many sequences it used ---------------------------------------------
 
 
@@ -249,3 +283,5 @@ def test_13_calibrate_says_how_many_sequences_it_used(run, tmp_path, capsys):
     assert calibration == {
         "sequences": 2, "requested": 100000, "tokens_per_sequence": 16, "from": "reference"
     }  # fmt: skip
+    report = verify(out, against=run)  # calibrated scales: checked against the manifest's amax
+    assert report.ok and any("does not repeat" in s for s in report.skipped), report

@@ -61,6 +61,8 @@ def test_verify_against_a_reference_item_passes_and_catches_wrong_logits(tmp_pat
     )
     bad = verify(out, against=wrong)
     assert not bad.ok
+    emulation = {c.name: c for c in bad.comparisons}["NumPy emulation of the trained model"]
+    assert emulation.passed is False and not emulation.note  # a failure for a dense model
     assert any("differs from the checkpoint" in p for p in bad.problems)
 
 

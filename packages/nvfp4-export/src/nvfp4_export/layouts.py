@@ -155,8 +155,8 @@ def _scalar(x: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, x, dtype=np.float32)
 
 
-def _scale(amax: np.float32, names: LayoutNames) -> np.float32:
-    """The layout's global scale of `amax`: ENCODE (6 * 448 / amax) or DECODE (its reciprocal)."""
+def scale_of_amax(amax: np.float32, names: LayoutNames) -> np.float32:
+    """The layout's global (or input) scale of `amax`: ENCODE (6 * 448 / amax) or DECODE (its reciprocal)."""
     if names.scales_encode:
         return nvfp4_format.global_encode_scale(amax)
     return nvfp4_format.global_decode_scale(amax)
@@ -175,7 +175,7 @@ def linear_tensors(m: ExportedLinear, plan: LayoutPlan) -> dict[str, np.ndarray]
         value = m.global_encode_scale if names.scales_encode else m.global_decode_scale
         out[names.tensor(m.name, names.global_scale)] = _scalar(value, names.scalar_shape)
     if plan.w4a4 and names.input_scale is not None:
-        value = _scale(np.float32(m.input_amax), names)
+        value = scale_of_amax(np.float32(m.input_amax), names)
         out[names.tensor(m.name, names.input_scale)] = _scalar(value, names.scalar_shape)
     return out
 

@@ -181,16 +181,27 @@ def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> Exporte
     if missing:
         raise ExportError(f"export lacks {names.tensor(name, missing[0])!r}")
     packed, scales = t[q.packed], t[q.block_scales]
+    base = ExportedLinear(name, source, fmt, packed=packed, scales=scales,
+                          input_amax=_stored_amax(t, q.input_scale, names.scales_encode))  # fmt: skip
     if q.global_scale is None:
-        return ExportedLinear(name, source, fmt, packed=packed, scales=scales)
+        return base
     stored = np.float32(t[q.global_scale].reshape(()))
     if names.scales_encode:
-        amax = _amax_from_encode(stored)
-        return ExportedLinear(name, source, fmt, packed=packed, scales=scales, weight_amax=amax)
-    return ExportedLinear(
-        name, source, fmt, packed=packed, scales=scales,
-        weight_amax=_amax_from_encode(np.float32(1.0) / stored), stored_decode_scale=stored,
-    )  # fmt: skip
+        return dataclasses.replace(base, weight_amax=_amax_from_encode(stored))
+    return dataclasses.replace(
+        base, weight_amax=_amax_from_encode(np.float32(1.0) / stored), stored_decode_scale=stored
+    )
+
+
+def _stored_amax(tensors: Mapping[str, np.ndarray], name: str | None, encode: bool):
+    """The amax whose scale the stored scalar tensor `name` holds (an ENCODE scale when
+    `encode`, else a DECODE scale); None without that tensor (weight-only, MXFP4)."""
+    if name is None or np.asarray(tensors[name]).size != 1:
+        return None  # a wrong shape is reported by the layout invariants
+    stored = np.float32(np.asarray(tensors[name]).reshape(()))
+    if not (np.isfinite(stored) and stored > 0):
+        return None  # a zero or non-finite scale is reported by the layout invariants
+    return float(_amax_from_encode(stored if encode else np.float32(1.0) / stored))
 
 
 def _amax_from_encode(s_enc: np.float32) -> np.float32:
@@ -277,34 +288,22 @@ def weights_from_checkpoint(
 
 
 def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
-    """The forward weights a loader of the export computes with (dequantized, BF16 dense tensors)."""
+    """The forward weights a loader of the export computes with (dequantized, BF16 dense tensors;
+    static input amax from the exported input scale tensors, not from the manifest)."""
     spec, t = loaded.spec, loaded.tensors
     recipes = loaded.provenance["recipes"]
-    amax = loaded.provenance.get("input_amax") or {}
 
     def f32(name: str) -> np.ndarray:
         if name not in t:
             raise ExportError(f"export lacks tensor {name!r}")
         return np.asarray(t[name]).astype(np.float32)
 
-    linears = {}
-    for source in spec.linear_paths():
-        mods = [linear_from_tensors(loaded, n, source) for n, _ in hf_modules(spec, source)]
-        per_module = _module_amax(spec, source, amax.get(source), len(mods))
-        linears[source] = [
-            dataclasses.replace(m, input_amax=a) for m, a in zip(mods, per_module, strict=True)
-        ]
+    linears = {
+        source: [linear_from_tensors(loaded, n, source) for n, _ in hf_modules(spec, source)]
+        for source in spec.linear_paths()
+    }
     dense = {entry.key: _from_hf(spec, entry, f32) for entry in dense_entries(spec)}
     return forward_weights(spec, linears, recipes, _with_tied_head(spec, dense))
-
-
-def _module_amax(spec: LlamaSpec, source: str, amax, count: int) -> list:
-    """The input amax of each of `count` HF modules of `source`: a routed experts' list spread
-    over each expert's modules, else the one value for all."""
-    if not is_expert_linear(source) or amax is None:
-        return [amax] * count
-    per = count // spec.num_experts
-    return [amax[k // per] for k in range(count)]
 
 
 def _bf16_round(a: np.ndarray) -> np.ndarray:

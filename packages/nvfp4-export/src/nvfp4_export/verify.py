@@ -15,10 +15,9 @@ from nvfp4_export.formats import (
     BF16,
     COMPRESSED_TENSORS,
     FORMATS,
-    calibrated_input,
     layout_names,
 )
-from nvfp4_export.forward import ForwardWeights, forward
+from nvfp4_export.forward import ForwardLinear, ForwardWeights, forward
 from nvfp4_export.hf_files import dense_parts
 from nvfp4_export.invariants import config_problems, layout_problems, nonfinite_problems
 from nvfp4_export.linears import export_linear
@@ -34,6 +33,7 @@ from nvfp4_export.reload import (
     weights_from_checkpoint,
     weights_from_export,
 )
+from nvfp4_export.verify_scales import has_input_scales, input_scale_check
 
 TRAINED_TOP1 = 0.9
 """Minimum top-1 agreement of the reload (activations as trained) with the trained model."""
@@ -45,7 +45,8 @@ LOADER_REL = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """Logits of `name` vs `against`: max / mean |diff|, top-1 agreement, pass (None: informational)."""
+    """Logits of `name` vs `against`: max / mean |diff|, top-1 agreement, pass (None:
+    informational) and why it is informational when that needs saying (`note`)."""
 
     name: str
     against: str
@@ -53,6 +54,7 @@ class Comparison:
     mean_abs: float
     top1: float
     passed: bool | None
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,16 @@ class VerifyReport:
         return not self.unchecked
 
 
-def compare(name: str, against: str, out: np.ndarray, ref: np.ndarray, mode: str) -> Comparison:
+MOE_ROUTING_NOTE = (
+    "informational for MoE: routing ties can flip which expert a token goes to between the two "
+    "computations"
+)
+"""Why the emulation-vs-JAX comparison of an MoE run is not a pass/fail check."""
+
+
+def compare(
+    name: str, against: str, out: np.ndarray, ref: np.ndarray, mode: str, note: str = ""
+) -> Comparison:
     """Compares logits; `mode` "trained", "loader" or "info" picks the pass criterion."""
     diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
     top1 = float(np.mean(out.argmax(-1) == ref.argmax(-1)))
@@ -89,7 +100,7 @@ def compare(name: str, against: str, out: np.ndarray, ref: np.ndarray, mode: str
         passed = top1 >= TRAINED_TOP1 and mean_abs <= TRAINED_MEAN_REL * float(np.abs(ref).mean())
     elif mode == "loader":
         passed = max_abs <= LOADER_REL * float(np.abs(ref).max()) + 1e-4
-    return Comparison(name, against, max_abs, mean_abs, top1, passed)
+    return Comparison(name, against, max_abs, mean_abs, top1, passed, note)
 
 
 def _bitexact_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
@@ -161,10 +172,7 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
     """The export's forward vs the trained model's (see docs/export.md, "verify")."""
     out = []
     if ckpt.reference is not None:
-        emulated = forward(trained, tokens)
-        out.append(
-            compare("NumPy emulation of the trained model", ref_name, emulated, ref, "trained")
-        )
+        out.append(_emulation_comparison(forward(trained, tokens), ref, ref_name, trained.spec))
     reload = forward(weights, tokens)
     same_dense = forward(bf16_dense(trained), tokens)
     out.append(
@@ -177,16 +185,33 @@ def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) 
         )
     )
     out.append(compare("export reload, activations as trained", ref_name, reload, ref, "info"))
-    if loaded.provenance.get("w4a4") and calibrated_input(loaded.provenance.get("format")):
-        static = forward(weights, tokens, activations="static")
-        out.append(
-            compare(
-                "export reload, W4A4 with the exported input scales", ref_name, static, ref, "info"
-            )
-        )
+    if has_input_scales(loaded) and _all_input_amax(weights):
+        static = forward(weights, tokens, activations="static")  # amax from the scale tensors
+        name = "export reload, W4A4 with the input scale tensors of the files"
+        out.append(compare(name, ref_name, static, ref, "info"))
     weight_only = forward(weights, tokens, activations="none")
     out.append(compare("export reload, weight-only", ref_name, weight_only, ref, "info"))
     return out
+
+
+EMULATION = "NumPy emulation of the trained model"
+"""The run's own weights, quantized as in training, through the NumPy forward (not the export)."""
+
+
+def _emulation_comparison(emulated, ref, ref_name: str, spec) -> Comparison:
+    """The run's NumPy emulation vs its JAX forward (the reference item's logits): a check of
+    the emulation for dense models, informational for MoE (`MOE_ROUTING_NOTE`)."""
+    against = f"{ref_name}: logits of the run's JAX forward"
+    if spec.num_experts:
+        return compare(EMULATION, against, emulated, ref, "info", MOE_ROUTING_NOTE)
+    return compare(EMULATION, against, emulated, ref, "trained")
+
+
+def _all_input_amax(weights: ForwardWeights) -> bool:
+    """Every quantized linear of `weights` has a static input amax (a usable scale tensor)."""
+    linears = [x for layer in weights.layers for v in layer.values()
+               for x in (v if isinstance(v, list) else [v]) if isinstance(x, ForwardLinear)]  # fmt: skip
+    return all(x.act_amax is not None for x in linears if x.act_fmt != "none")
 
 
 def _dense_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
@@ -214,17 +239,24 @@ def spec_problems(exported, trained) -> list[str]:
     ]
 
 
-def _against(loaded, weights, against: Path, n: int, integrity_check: bool):
+def _against(loaded, weights, against: Path, n: int, integrity_check: bool, skipped: list):
     """(problems, comparisons, unchecked, tokens, reference logits, reference name) of the export
-    against the checkpoint it came from."""
+    against the checkpoint it came from; what it could not compare is added to `skipped`."""
     where = resolve_checkpoint(against, loaded.provenance.get("step"))
     ckpt = read_checkpoint(where, integrity_check=integrity_check)
     spec = spec_from_config(ckpt.config, ckpt.params)
     problems = spec_problems(loaded.spec, spec)
     problems += _dense_problems(loaded, ckpt) + _bitexact_problems(loaded, ckpt)
+    scale_problems, note = input_scale_check(loaded, ckpt.quant_stats or {})
+    problems += scale_problems
+    skipped += [note] if note else []
     trained = weights_from_checkpoint(ckpt, spec, loaded.provenance["recipes"], {})
     tokens, ref, ref_name = _reference(ckpt, trained, n, min(32, spec.max_seq_len))
     comparisons = _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt)
+    if has_input_scales(loaded) and not _all_input_amax(weights):
+        skipped.append(
+            "W4A4 with the input scale tensors: one is missing or not a positive number (above)"
+        )
     return problems, comparisons, list(ckpt.notes), tokens, ref, ref_name
 
 
@@ -242,11 +274,12 @@ def verify_dir(
     tokens, ref, ref_name = None, None, None
     if against is not None:
         found, comparisons, notes, tokens, ref, ref_name = _against(
-            loaded, weights, against, n, integrity_check
+            loaded, weights, against, n, integrity_check, skipped
         )
         problems, unchecked = problems + found, unchecked + notes
     else:
         skipped.append("trained-model comparison: no --against run given")
+        problems += input_scale_check(loaded, None)[0]
         tokens = np.random.default_rng(0).integers(
             0, loaded.spec.vocab_size, size=(n, min(32, loaded.spec.max_seq_len))
         )
@@ -316,6 +349,7 @@ def render(report: VerifyReport) -> str:
     lines += [f"  PROBLEM: {p}" for p in report.problems] or ["  layout invariants: ok"]
     for c in report.comparisons:
         verdict = {True: "ok", False: "FAIL", None: "info"}[c.passed]
+        verdict += f": {c.note}" if c.note else ""
         lines.append(
             f"  {c.name} vs {c.against}: max |diff| {c.max_abs:.3g}, mean {c.mean_abs:.3g}, "
             f"top-1 agreement {c.top1:.1%} [{verdict}]"
