@@ -1,20 +1,18 @@
 """lm-evaluation-harness's own `hf` model agrees with `nvfp4-train eval --tasks --bf16`.
 
-A tiny NVFP4 run (60 steps) is exported (compressed-tensors) and turned into a plain BF16 Hugging Face
-directory that transformers loads without a quantization config: the export's dequantized copy
-(`nvfp4_export.clients.moe_dense_copy`) with every linear's weight replaced by the checkpoint's
-master weight rounded to BF16, the weights the `--bf16` forward multiplies by (the BF16 blocks'
-linears are already those, bit for bit; the NVFP4 blocks' dequantized weights are not, and their
-quantization error would swamp what is compared here). lm-eval's `HFLM` (float32) scores the
-shipped `next_word` task's (context, " " + choice) requests; `evaluate_run_tasks` /
-`score_tasks` with the `bf16` forward score the same task. Compared: the token split of each
-request (exactly), each choice's log-likelihood (within `RELATIVE_TOLERANCE`), and the accuracy.
+A tiny NVFP4 run (60 steps) is exported as a plain BF16 Hugging Face directory that transformers
+loads without a quantization config (`nvfp4-export hf --layout bf16`): every linear's master
+weight rounded to BF16, the weights the `--bf16` forward multiplies by (an NVFP4 export's
+dequantized weights are not, and their quantization error would swamp what is compared here).
+lm-eval's `HFLM` (float32) scores the shipped `next_word` task's (context, " " + choice)
+requests; `evaluate_run_tasks` / `score_tasks` with the `bf16` forward score the same task.
+Compared: the token split of each request (exactly), each choice's log-likelihood (within
+`RELATIVE_TOLERANCE`), and the accuracy.
 """
 
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-for _module in ("lm_eval", "torch", "transformers", "compressed_tensors", "accelerate"):
+for _module in ("lm_eval", "torch", "transformers", "accelerate"):
     pytest.importorskip(_module)
 
-import ml_dtypes  # noqa: E402
-import torch  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 
-from nvfp4_export import export_hf, read_checkpoint, resolve_checkpoint  # noqa: E402
-from nvfp4_export.clients import moe_dense_copy  # noqa: E402
-from nvfp4_export.linears import hf_modules  # noqa: E402
-from nvfp4_export.model_spec import spec_from_config  # noqa: E402
+from nvfp4_export import export_hf  # noqa: E402
+from nvfp4_export.verify import render, verify  # noqa: E402
 from nvfp4_train.tasks import encode_pair, load_task  # noqa: E402
 from nvfp4_train.training.downstream import (  # noqa: E402
     evaluate_run_tasks,
@@ -67,48 +60,13 @@ def run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _bf16_tensor(x: np.ndarray) -> torch.Tensor:
-    bits = np.ascontiguousarray(x.astype(ml_dtypes.bfloat16)).view(np.uint16)
-    return torch.from_numpy(bits.copy()).view(torch.bfloat16)
-
-
-def _master_linears(run_dir: Path) -> dict[str, torch.Tensor]:
-    """HF name -> the checkpoint's linear weight [out, in] rounded to BF16 (q|k|v, gate|up
-    split into their HF modules as the export splits them)."""
-    ckpt = read_checkpoint(resolve_checkpoint(run_dir))
-    spec = spec_from_config(ckpt.config, ckpt.params)
-    out = {}
-    for path in spec.linear_paths():
-        weight = np.asarray(ckpt.params[f"{path}.kernel"], np.float32).T
-        modules = hf_modules(spec, path)
-        parts = np.split(weight, np.cumsum([rows for _, rows in modules])[:-1])
-        for (name, _), part in zip(modules, parts, strict=True):
-            out[f"{name}.weight"] = _bf16_tensor(part)
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_dir(run, tmp_path_factory) -> Path:
-    """A plain BF16 HF Llama directory of the run's master weights (see the module docstring)."""
-    tmp = tmp_path_factory.mktemp("hf")
-    ct = export_hf(run, tmp / "ct", layout="compressed-tensors").out_dir
-    dense = tmp / "bf16"
-    dense.mkdir()
-    moe_dense_copy(ct, dense)  # config.json without quantization_config, model.safetensors
-    (weights,) = dense.glob("*.safetensors")
-    tensors = load_file(str(weights))
-    exported, master = dict(tensors), _master_linears(run)
-    assert set(master) <= set(tensors)
-    tensors.update(master)
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    # the BF16 blocks' linears were exported as the master weights in BF16: the mapping is right
-    same = [n for n in master if torch.equal(exported[n], master[n])]
-    assert 0 < len(same) < len(master), same
-    for f in ct.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
-                                                        "generation_config.json"):  # fmt: skip
-            shutil.copy(f, dense / f.name)
-    return dense
+    """The run's master weights as a plain BF16 HF directory (`--layout bf16`), checked."""
+    out = export_hf(run, tmp_path_factory.mktemp("hf") / "bf16", layout="bf16").out_dir
+    report = verify(out, against=run)
+    assert report.ok, render(report)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
 """Export re-quantizes exactly as training's forward did, then splits fused outputs."""
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 import nvfp4_format
 from nvfp4_export import ExportError, LlamaSpec, export_linear
-from nvfp4_export.linears import dequantize_linear
+from nvfp4_export.linears import dequantize_linear, master_bf16_linear
 
 SPEC = LlamaSpec(vocab_size=32, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, mlp_dim=96)  # fmt: skip
@@ -65,3 +67,19 @@ def test_unsupported_recipes_are_refused():
         export_linear(SPEC, "layers.0.attn.o", _kernel((64, 64)), "fp8", None)
     with pytest.raises(ExportError, match="unknown recipe 'int4'"):
         export_linear(SPEC, "layers.0.attn.o", _kernel((64, 64)), "int4", None)
+
+
+def test_the_bf16_layout_rounds_the_master_once_whatever_the_compute_dtype():
+    """1 + 2^-8 + 2^-11 rounds to 1 + 2^-7 in bfloat16, but to 1 + 2^-8 in float16 and then to 1
+    (a tie, to even): the bf16 layout holds the master rounded once, not the float16 weight."""
+    kernel = _kernel((96, 64))  # mlp.down: [in = mlp_dim, out = d_model]
+    kernel[0, 0] = np.float32(1 + 2**-8 + 2**-11)
+    spec = dataclasses.replace(SPEC, dtype="float16")
+    (master,) = master_bf16_linear(spec, "layers.0.mlp.down", kernel)
+    assert (
+        master.weight.tobytes()
+        == np.ascontiguousarray(kernel.T.astype(ml_dtypes.bfloat16)).tobytes()
+    )
+    assert master.weight[0, 0] == 1 + 2**-7
+    (as_trained,) = export_linear(spec, "layers.0.mlp.down", kernel, "bf16", None)
+    assert as_trained.weight[0, 0] == 1

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import BF16_LAYOUT
 from nvfp4_export.hf_export import DEFAULT_MAX_SHARD_BYTES, ExportProgress, export_hf
 from nvfp4_export.layouts import LAYOUTS
 from nvfp4_export.onnx_graph import FORMS
@@ -23,12 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nvfp4-export", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     hf = sub.add_parser(
-        "hf", help="a Hugging Face model directory (ModelOpt or compressed-tensors)"
+        "hf", help="a Hugging Face model directory (ModelOpt, compressed-tensors or plain BF16)"
     )
     hf.add_argument("checkpoint", help="run directory, its checkpoints/ or one checkpoints/<step>/")
     hf.add_argument("out_dir")
     hf.add_argument("--layout", required=True, choices=LAYOUTS)
-    hf.add_argument("--weight-only", action="store_true", help="no input scales (W4A16)")
+    hf.add_argument("--weight-only", action="store_true",
+                    help="no input scales (W4A16; not for --layout bf16)")  # fmt: skip
     hf.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     hf.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     hf.add_argument(
@@ -110,7 +112,7 @@ def _hf(args: argparse.Namespace) -> int:
             log=lambda m: print(m, file=sys.stderr), progress=progress,
         )  # fmt: skip
     plan = result.plan
-    mode = "W4A4" if plan.w4a4 else "weight-only"
+    mode = "W4A4" if plan.w4a4 else "weight-only" if plan.layout != BF16_LAYOUT else "unquantized"
     if result.calibration:
         mode += f", input scales from {result.calibration['sequences']} calibration sequences"
     print(

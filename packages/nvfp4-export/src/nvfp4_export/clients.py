@@ -20,7 +20,7 @@ MOE_KEYS = ("num_experts", "num_local_experts")
 def transformers_logits(export_dir: Path, tokens_BxL: np.ndarray) -> np.ndarray:
     """float32 logits of `AutoModelForCausalLM` on CPU, weights dequantized by compressed-tensors.
 
-    A dense export is loaded as it is (`CompressedTensorsConfig(dequantize=True)`). An MoE export
+    An export without `quantization_config` (the bf16 layout) is loaded as it is. A dense export is loaded as it is (`CompressedTensorsConfig(dequantize=True)`). An MoE export
     cannot be: transformers 5's loader dequantizes experts without their `weight_global_scale`
     (transformers/integrations/compressed_tensors.py, `CompressedTensorsDequantize.convert`
     builds each expert from `weight_packed`, `weight_scale` and `weight_shape` only) and drops
@@ -37,7 +37,9 @@ def transformers_logits(export_dir: Path, tokens_BxL: np.ndarray) -> np.ndarray:
 
     config = json.loads((Path(export_dir) / "config.json").read_text("utf-8"))
     with tempfile.TemporaryDirectory() as tmp:
-        if any(config.get(k) for k in MOE_KEYS):
+        if "quantization_config" not in config:
+            model = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32)
+        elif any(config.get(k) for k in MOE_KEYS):
             moe_dense_copy(Path(export_dir), Path(tmp))
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         else:

@@ -27,7 +27,9 @@ BF16 = "bf16"
 """The "format" of a linear kept in BF16 (not quantized)."""
 MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
-LAYOUTS = (MODELOPT, COMPRESSED_TENSORS)
+BF16_LAYOUT = "bf16"
+"""The unquantized layout: every linear's float32 master weight rounded to bfloat16."""
+LAYOUTS = (MODELOPT, COMPRESSED_TENSORS, BF16_LAYOUT)
 """The Hugging Face layouts (`export_hf(layout=...)`)."""
 MXFP4_SCALE_RULE = "ocp"
 """The rule training's MXFP4 recipe uses (X = 2^(floor(log2 amax_block) - 2))."""
@@ -176,3 +178,16 @@ def calibrated_input(fmt: str) -> bool:
     """Format `fmt` (a format name or "bf16") takes fixed input scales from activation amax."""
     f = FORMATS.get(fmt)
     return f is not None and f.calibrated_input
+
+
+def stored_recipes(layout: str, recipes: Mapping[str, str]) -> dict[str, str]:
+    """The recipe each linear's tensors are stored with in `layout`: the trained one (`recipes`,
+    the manifest's), or "bf16" for every linear in the unquantized `BF16_LAYOUT`.
+
+    Example:
+        >>> stored_recipes("bf16", {"layers.0.attn.qkv": "nvfp4"})
+        {'layers.0.attn.qkv': 'bf16'}
+    """
+    if layout == BF16_LAYOUT:
+        return dict.fromkeys(recipes, BF16)
+    return dict(recipes)

@@ -1,4 +1,5 @@
-"""`export_hf`: a training checkpoint -> a Hugging Face model directory in one FP4 layout."""
+"""`export_hf`: a training checkpoint -> a Hugging Face model directory in one layout (an FP4
+one, or "bf16": the master weights unquantized)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from nvfp4_export.checkpoint import (
 from nvfp4_export.errors import ExportError
 from nvfp4_export.expert_scales import refuse_mixed_experts
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16
+from nvfp4_export.formats import BF16, BF16_LAYOUT, stored_recipes
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -44,8 +45,9 @@ from nvfp4_export.layouts import (
     linear_tensors,
     plan_layout,
     quantization_config,
+    refuse_bf16_options,
 )
-from nvfp4_export.linears import export_linear, planned_linear
+from nvfp4_export.linears import layout_linear, planned_linear
 from nvfp4_export.manifest import CHECKPOINT_CHECKED, seal
 from nvfp4_export.model_spec import (
     LlamaSpec,
@@ -151,7 +153,7 @@ def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progre
             tensors = dense_parts(spec, dense[name], value)
         else:
             path = kernels[name]
-            linears = export_linear(spec, path, value, recipes[path], amax.get(path))
+            linears = layout_linear(spec, path, value, recipes[path], amax.get(path), plan.layout)
             tensors = {n: a for m in linears for n, a in linear_tensors(m, plan).items()}
         for tensor_name, array in tensors.items():
             writer.write(tensor_name, array)
@@ -203,7 +205,9 @@ def export_hf(
     Args:
         checkpoint: a run directory, its checkpoints/ directory or one step directory.
         out_dir: the directory to create (written beside it first, renamed at the end).
-        layout: "modelopt" or "compressed-tensors" (MXFP4 runs: compressed-tensors only).
+        layout: "modelopt" or "compressed-tensors" (MXFP4 runs: compressed-tensors only), or
+            "bf16": every linear's master weight rounded to bfloat16, no quantization (which
+            takes none of `weight_only`, `calibrate_n`, `calibration_text`).
         weight_only: write no input scales even when activation amax is available.
         step: the checkpoint step (default: the newest); overwrite: replace an existing `out_dir`.
         calibrate_n, calibration_text: run a calibration pass over this many sequences (>= 1;
@@ -241,7 +245,9 @@ def export_hf(
 class _ExportJob:
     """What an export writes, decided (and every refusal made) before its first byte is written.
 
-    `notes` are the warnings for the user; `targets` the servers it was checked for.
+    `recipes` are the ones its linears are stored with (`formats.stored_recipes`; the manifest
+    keeps the trained ones); `notes` are the warnings for the user; `targets` the servers it was
+    checked for.
     """
 
     ref: CheckpointRef
@@ -276,6 +282,8 @@ def _prepare_export(
     input amax (calibrating if asked), plan the linears and the layout, check the servers."""
     out_dir = Path(out_dir)
     plan_layout(layout, [], weight_only=weight_only)  # validates the layout name early
+    refuse_bf16_options(layout, weight_only=weight_only, calibrate_n=calibrate_n,
+                        calibration_text=calibration_text)  # fmt: skip
     if calibrate_n is not None and calibrate_n < 1:
         raise ExportError(f"--calibrate must be >= 1 sequences, got {calibrate_n}")
     if calibration_text is not None and calibrate_n is None:
@@ -285,24 +293,25 @@ def _prepare_export(
     ckpt = read_checkpoint(ref, integrity_check=integrity_check)
     spec = spec_from_config(ckpt.config, ckpt.params)
     recipes = linear_recipes(spec, ckpt.config, ckpt.quant_stats)
-    refuse_mixed_experts(spec, recipes)
+    stored = stored_recipes(layout, recipes)  # "bf16" for every linear of the bf16 layout
+    refuse_mixed_experts(spec, stored)
     text = None if calibration_text is None else Path(calibration_text)
     inputs = (
         InputAmax({}, None)
-        if weight_only
+        if weight_only or layout == BF16_LAYOUT
         else input_amax(ckpt, spec, recipes, calibrate_n, text, log, allow_uncalibrated_experts)
     )
-    log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; quantizing {len(recipes)} linears")
+    log(f"read step {ckpt.ref.step} of {ckpt.ref.step_dir}; exporting {len(recipes)} linears")
     planned, plan = _plan_linears(
-        spec, ckpt.params.shapes, recipes, inputs.amax, layout, weight_only
+        spec, ckpt.params.shapes, stored, inputs.amax, layout, weight_only
     )
-    refuse_per_token_w4a4(plan, recipes)
+    refuse_per_token_w4a4(plan, stored)
     notes = ckpt.notes + inputs.notes + weight_only_fallback(plan, weight_only)  # before writing
     targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
     notes += dropped
     provenance = _provenance(ckpt, spec, recipes, inputs, plan, targets, integrity_check)
     return _ExportJob(
-        ref, out_dir, ckpt, spec, recipes, inputs, planned, plan, notes, targets, provenance
+        ref, out_dir, ckpt, spec, stored, inputs, planned, plan, notes, targets, provenance
     )
 
 

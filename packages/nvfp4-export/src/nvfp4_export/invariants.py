@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS
+from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS, stored_recipes
 from nvfp4_export.hf_files import hf_config, hf_dense_names, special_token_ids
 from nvfp4_export.json_files import canonical_json
 from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
@@ -82,9 +82,10 @@ def _shared_scale_problems(loaded: LoadedExport, layer: int) -> list[str]:
 def _linear_problems(loaded: LoadedExport) -> list[str]:
     spec, prov = loaded.spec, loaded.provenance
     excluded = set(prov.get("excluded") or [])
+    recipes = stored_recipes(loaded.layout, prov["recipes"])
     problems, seen = [], set()
     for source in spec.linear_paths():
-        kind = BF16 if prov["recipes"][source] == BF16 else "fp4"
+        kind = BF16 if recipes[source] == BF16 else "fp4"
         for name, rows in hf_modules(spec, source):
             inp = in_features(spec, source)
             exp = _expected(kind, loaded.layout, prov["format"], prov["w4a4"], rows, inp)

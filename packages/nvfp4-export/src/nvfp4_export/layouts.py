@@ -1,6 +1,8 @@
-"""What the two HF layouts write for a set of exported linears (spec: export-formats.md).
+"""What the HF layouts write for a set of exported linears (spec: export-formats.md).
 
-ModelOpt ("modelopt") and compressed-tensors ("compressed-tensors"); the tensor names of each
+ModelOpt ("modelopt"), compressed-tensors ("compressed-tensors") and the unquantized "bf16"
+(every linear `<m>.weight` BF16 [out, in], its master weight rounded; no quantization metadata);
+the tensor names of each
 (format, layout) come from `formats.FORMATS` (which takes them from `nvfp4_format.layout_names`):
 ModelOpt `<m>.weight` U8 packed, `<m>.weight_scale` F8_E4M3, `<m>.weight_scale_2` F32 [] (DECODE
 global scale), `<m>.input_scale` F32 [] (W4A4); compressed-tensors `<m>.weight_packed`,
@@ -21,6 +23,7 @@ from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import (
     BF16,
+    BF16_LAYOUT,
     COMPRESSED_TENSORS,
     FORMATS,
     LAYOUTS,
@@ -38,7 +41,7 @@ class LayoutPlan:
     """What a layout writes for a set of exported linears.
 
     Attributes:
-        layout: "modelopt" or "compressed-tensors".
+        layout: "modelopt", "compressed-tensors" or "bf16".
         fmt: "nvfp4" or "mxfp4" (the quantized linears' format; "bf16" when none is quantized).
         w4a4: input (activation) scales are written.
         excluded: HF module names kept in BF16 (lm_head first).
@@ -69,11 +72,13 @@ def plan_layout(
 
     Raises:
         ExportError: unknown layout, NVFP4 and MXFP4 linears mixed, a format without that layout
-            (MXFP4 with "modelopt").
+            (MXFP4 with "modelopt"), a quantized linear in the "bf16" layout.
     """
     if layout not in LAYOUTS:
         raise ExportError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     fmts = sorted({m.fmt for m in linears} - {BF16})
+    if layout == BF16_LAYOUT and fmts:
+        raise ExportError(f"the {BF16_LAYOUT} layout holds BF16 linears only, got {fmts} ones")
     if len(fmts) > 1:
         raise ExportError(f"one export holds one FP4 format; this model mixes {fmts}")
     fmt = fmts[0] if fmts else BF16
@@ -91,6 +96,24 @@ def plan_layout(
     excluded = ("lm_head", *always_bf16, *[m.name for m in linears if m.fmt == BF16])
     moe = any(".experts." in m.name for m in linears)
     return LayoutPlan(layout, fmt, w4a4, excluded, moe)
+
+
+def refuse_bf16_options(layout: str, **options: object) -> None:
+    """The options about input scales and FP4 modes (`weight_only`, `calibrate_n`,
+    `calibration_text`) mean nothing for the unquantized "bf16" layout: an error if one is set.
+
+    Raises:
+        ExportError: naming the first option given and its command-line spelling.
+    """
+    if layout != BF16_LAYOUT:
+        return
+    for name, value in options.items():
+        if value not in (None, False):
+            flag = {"calibrate_n": "calibrate"}.get(name, name).replace("_", "-")
+            raise ExportError(
+                f"--{flag} does not apply to --layout {BF16_LAYOUT}: it writes every linear "
+                f"unquantized, with no input scales (got {name}={value!r})"
+            )
 
 
 FUSED_MODULES = (

@@ -10,13 +10,15 @@ over its rows) and the shared global scale is what servers require for fused q/k
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 
 from nvfp4_export.bfloat16 import bfloat16_values_transposed, transposed
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16, FORMATS
+from nvfp4_export.formats import BF16, BF16_LAYOUT, FORMATS
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.moe_spec import SHARED_LINEARS, expert_modules, is_expert_linear, shared_modules
 from nvfp4_export.policy import WeightFormat, weight_format
@@ -116,6 +118,27 @@ def export_linear(
             for m in _export_one(spec, source, kernel_IxO[e], recipe, amax[e], e)
         ]
     return _export_one(spec, source, kernel_IxO, recipe, input_amax, None)
+
+
+def master_bf16_linear(
+    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray
+) -> list[ExportedLinear]:
+    """The HF modules of training linear `source` (fused outputs split) holding its float32 master
+    weight rounded to bfloat16 (round to nearest even), whatever its recipe and the run's compute
+    dtype: the `bf16` layout's linears. (`export_linear` of a BF16 recipe on a float32-compute
+    spec, whose W^T is the master itself.)"""
+    master = dataclasses.replace(spec, dtype="float32")
+    return export_linear(master, source, kernel_IxO, BF16, None)
+
+
+def layout_linear(
+    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, recipe: str, input_amax, layout: str
+) -> list[ExportedLinear]:
+    """The HF modules an export in `layout` stores for `source`: its master weight in BF16 for
+    the `bf16` layout (`master_bf16_linear`), else `export_linear` (quantized as trained)."""
+    if layout == BF16_LAYOUT:
+        return master_bf16_linear(spec, source, kernel_IxO)
+    return export_linear(spec, source, kernel_IxO, recipe, input_amax)
 
 
 def _export_one(spec, source, kernel_IxO, recipe, input_amax, expert) -> list[ExportedLinear]:

@@ -22,7 +22,7 @@ from nvfp4_export.dense_names import (
 )
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT
+from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT, stored_recipes
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
@@ -291,7 +291,7 @@ def weights_from_export(loaded: LoadedExport) -> ForwardWeights:
     """The forward weights a loader of the export computes with (dequantized, BF16 dense tensors;
     static input amax from the exported input scale tensors, not from the manifest)."""
     spec, t = loaded.spec, loaded.tensors
-    recipes = loaded.provenance["recipes"]
+    recipes = stored_recipes(loaded.layout, loaded.provenance["recipes"])
 
     def f32(name: str) -> np.ndarray:
         if name not in t:

@@ -13,6 +13,7 @@ from nvfp4_export.clients import missing, onnxruntime_logits, transformers_logit
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import (
     BF16,
+    BF16_LAYOUT,
     COMPRESSED_TENSORS,
     FORMATS,
     layout_names,
@@ -20,7 +21,7 @@ from nvfp4_export.formats import (
 from nvfp4_export.forward import ForwardLinear, ForwardWeights, forward
 from nvfp4_export.hf_files import dense_parts
 from nvfp4_export.invariants import config_problems, layout_problems, nonfinite_problems
-from nvfp4_export.linears import export_linear
+from nvfp4_export.linears import layout_linear
 from nvfp4_export.manifest import sealing_problems
 from nvfp4_export.model_spec import dense_entries, spec_from_config
 from nvfp4_export.policy import linear_recipes
@@ -104,10 +105,12 @@ def compare(
 
 
 def _bitexact_problems(loaded: LoadedExport, ckpt: Checkpoint) -> list[str]:
-    """Re-quantizes every linear from the checkpoint and compares the stored bytes."""
+    """Re-quantizes every linear from the checkpoint (the bf16 layout: rounds its master to
+    bfloat16) and compares the stored bytes."""
     spec, recipes, problems = loaded.spec, loaded.provenance["recipes"], []
     for source in spec.linear_paths():
-        fresh = export_linear(spec, source, ckpt.params[f"{source}.kernel"], recipes[source], None)
+        kernel = ckpt.params[f"{source}.kernel"]
+        fresh = layout_linear(spec, source, kernel, recipes[source], None, loaded.layout)
         for m in fresh:
             stored = linear_from_tensors(loaded, m.name, source)
             for field in ("weight", "packed", "scales"):
@@ -140,12 +143,15 @@ def _reference(ckpt: Checkpoint, weights: ForwardWeights, n: int, length: int):
 
 
 def _hf_comparisons(loaded, tokens, ref, ref_name, skipped, problems) -> list[Comparison]:
-    if loaded.layout != COMPRESSED_TENSORS:
+    if loaded.layout not in (COMPRESSED_TENSORS, BF16_LAYOUT):
         skipped.append("transformers: the ModelOpt layout does not load in transformers on CPU")
         return []
-    absent = missing("torch", "transformers", "compressed_tensors")
+    plain = loaded.layout == BF16_LAYOUT
+    needed = ("torch", "transformers") + (() if plain else ("compressed_tensors",))
+    absent = missing(*needed)
     if absent:
-        skipped.append(f"transformers + compressed-tensors: not installed ({', '.join(absent)})")
+        what = "transformers" if plain else "transformers + compressed-tensors"
+        skipped.append(f"{what}: not installed ({', '.join(absent)})")
         return []
     try:
         hf = transformers_logits(loaded.path, tokens)
@@ -159,8 +165,8 @@ def _hf_comparisons(loaded, tokens, ref, ref_name, skipped, problems) -> list[Co
         activations="none",
         compute_dtype="float32",
     )
-    name = "transformers+compressed-tensors"
-    if loaded.spec.num_experts:  # clients.transformers_logits: compressed-tensors dequantizes
+    name = "transformers (BF16)" if plain else "transformers+compressed-tensors"
+    if loaded.spec.num_experts and not plain:  # clients.transformers_logits: CT dequantizes
         name = "transformers on compressed-tensors' dequantization"
     out = [compare(name, "NumPy forward, same weights (fp32)", hf, expected, "loader")]
     if ref is not None:
@@ -169,10 +175,14 @@ def _hf_comparisons(loaded, tokens, ref, ref_name, skipped, problems) -> list[Co
 
 
 def _trained_comparisons(loaded, weights, trained, tokens, ref, ref_name, ckpt) -> list[Comparison]:
-    """The export's forward vs the trained model's (see docs/export.md, "verify")."""
+    """The export's forward vs the trained model's (see docs/export.md, "verify"); a bf16 export
+    (its masters unquantized, bit-exact against the checkpoint's) only informationally."""
     out = []
     if ckpt.reference is not None:
         out.append(_emulation_comparison(forward(trained, tokens), ref, ref_name, trained.spec))
+    if loaded.layout == BF16_LAYOUT:
+        unquantized = forward(weights, tokens)
+        return out + [compare("export reload, BF16 masters", ref_name, unquantized, ref, "info")]
     reload = forward(weights, tokens)
     same_dense = forward(bf16_dense(trained), tokens)
     out.append(
