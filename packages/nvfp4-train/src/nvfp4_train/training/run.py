@@ -31,6 +31,7 @@ from nvfp4_train.mesh.sharding import (
     check_tensor_split,
     make_mesh,
 )
+from nvfp4_train.model.structure import moe_blocks_note
 from nvfp4_train.training.comms import check_gather_tiles
 from nvfp4_train.training.downstream import load_tasks
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
@@ -48,6 +49,16 @@ def _memory_line(mesh: Any, state: Any) -> str:
         f"mesh: {shape} over {mesh.size} devices ({jax.process_count()} processes); per device: "
         f"parameters {bytes_per_device(state.params) * mib:.2f} MiB, optimizer state "
         f"{bytes_per_device(state.opt_state) * mib:.2f} MiB"
+    )
+
+
+def _model_line(cfg: Config, state: Any) -> str:
+    """The start-up line that says what is trained (and which blocks are MoE, if any)."""
+    moe = moe_blocks_note(cfg.model)
+    return (
+        f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
+        f"vocab {cfg.model.vocab_size}{'; ' + moe if moe else ''}; "
+        f"precision.recipe={cfg.precision.recipe}"
     )
 
 
@@ -98,10 +109,7 @@ def _run(
         if jax.process_index() == 0:
             (run_dir / CONFIG_FILE).write_text(to_yaml(written))
             datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
-        say(
-            f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
-            f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
-        )
+        say(_model_line(cfg, state))
         say(_memory_line(mesh, state))
         say(datasets.documents)
         if start >= cfg.train.steps:
