@@ -33,6 +33,7 @@ from nvfp4_train.mesh.sharding import (
 )
 from nvfp4_train.model.structure import moe_blocks_note
 from nvfp4_train.training.comms import check_gather_tiles
+from nvfp4_train.training.device_memory import check_memory_fits
 from nvfp4_train.training.downstream import load_tasks
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
@@ -73,7 +74,8 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
         A `RunSummary` of the run.
 
     Raises:
-        ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
+        ConfigError: the config does not fit the data or the checkpoint in `output_dir`, or
+            its memory estimate does not fit a device (`training.device_memory`).
         TaskError: a file of `eval.tasks` that cannot be read (before anything is written).
     """
     stream = sys.stdout if stream is None else stream
@@ -83,6 +85,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
     check_tensor_split(cfg.model, mesh.shape["tensor"])
     check_gather_tiles(cfg, mesh.size)
+    check_memory_fits(cfg, jax.devices(), jax.local_device_count())  # before compiling, writing
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, tasks, mesh, run_dir, stream)
 
