@@ -127,6 +127,11 @@ def _moe_bad_inputs(root: Path) -> None:
     write_run(root / "moe_run_idle", model=model, quant_stats=stats)
 
 
+MOE_RUN = ["run", "{root}/ok.yaml", "output_dir={root}/o", "model.num_layers=4",
+           "model.moe.num_experts=8", "model.moe.expert_mlp_dim=64"]  # fmt: skip
+"""A 4-block MoE run: its block choosers (or its size) follow in the rows."""
+NO_MOE = "model.moe.num_experts=8 but no block is MoE: model.moe."
+
 # (tool, argv with {root}, exit code, message fragment)
 CLI_ROWS = [
     ("train", ["run", "{root}/missing.yaml"], 2, "cannot read config file"),
@@ -150,6 +155,11 @@ CLI_ROWS = [
     ("train", ["run", "{root}/output_is_file.yaml"], 2, "is a file, not a directory"),
     ("train", ["run", "{root}/nodata.yaml", "output_dir={root}/o"], 2, "none.txt"),
     ("train", ["run", "{root}/ok.yaml", "output_dir={root}/o", "mesh.data=3"], 2, "must equal"),
+    ("train", [*MOE_RUN, "model.moe.first_dense_layers=10"], 2, f"{NO_MOE}first_dense_layers=10,"),
+    ("train", [*MOE_RUN, "model.moe.dense_layers=[0,1,2,3]"], 2, "dense_layers=[0, 1, 2, 3] leave"),
+    ("train", [*MOE_RUN, "model.moe.layer_freq=5"], 2, "model.moe.layer_freq=5 and"),
+    ("train", [*MOE_RUN, "model.moe.num_experts=1000000"], 2, "GiB per device (parameters"),
+    ("train", [*MOE_RUN, "model.moe.num_experts=1000000"], 2, "set train.memory_check=false to"),
     ("train", ["show-config", "{root}/listkey.yaml"], 2, "a key of the YAML is a list"),
     ("train", ["show-config", "{root}/latin1.yaml"], 2, "is not UTF-8 text"),
     (

@@ -13,6 +13,12 @@ from nvfp4_train.cli import main
 from nvfp4_train.config.run_config import ConfigError, config_from_dict, load_config
 from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense
 from nvfp4_train.training import memory
+from nvfp4_train.training.device_memory import (
+    check_memory_fits,
+    device_capacity,
+    host_ram,
+    memory_refusal,
+)
 from nvfp4_train.training.memory import GIB, estimate_memory
 from nvfp4_train.training.resume import abstract_state
 from nvfp4_train.training.step import count_params
@@ -253,3 +259,33 @@ def test_the_mamba_scan_buffers_grow_linearly_with_seq_len_and_chunk_size():
         estimate_memory(hybrid(r), 1).activations for r in ("none", "dots", "quantized", "full")
     ]
     assert kept == sorted(kept, reverse=True) and kept[-1] > 0
+
+
+class _Device:
+    """A stand-in for a jax device: its platform, kind and allocator limit (None: not reported)."""
+
+    def __init__(self, platform="gpu", limit=None):
+        self.platform, self.device_kind, self._limit = platform, f"fake {platform}", limit
+
+    def memory_stats(self):
+        return None if self._limit is None else {"bytes_limit": self._limit}
+
+
+def test_what_a_device_holds_is_its_limit_or_its_share_of_the_host_ram():
+    assert device_capacity(_Device(limit=80 * GIB), 8) == (80 * GIB, "fake gpu memory limit")
+    ram, source = device_capacity(_Device("cpu"), 4)
+    assert ram == host_ram() // 4 and source.endswith("over 4 CPU devices")
+    assert device_capacity(_Device("tpu"), 1) is None  # reports nothing: not checked
+
+
+def test_a_run_that_cannot_fit_its_device_is_refused_unless_told_to_try():
+    check_memory_fits(_moe_cfg(), [_Device(limit=GIB)], 1)  # the tiny MoE fits 1 GiB
+    huge = _moe_cfg(num_experts=4096)
+    needed = estimate_memory(huge, 1, "naive").total
+    with pytest.raises(ConfigError, match=r"per device .* but a device holds 1.0 GiB \(fake gpu "
+                       r"memory limit\); .* set train.memory_check=false to try anyway"):  # fmt: skip
+        check_memory_fits(huge, [_Device(limit=GIB)], 1)
+    assert needed > GIB
+    unchecked = dataclasses.replace(huge, train=dataclasses.replace(huge.train, memory_check=False))
+    check_memory_fits(unchecked, [_Device(limit=GIB)], 1)
+    assert memory_refusal(GIB, (GIB, "exactly")) is None

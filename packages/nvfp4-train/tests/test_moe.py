@@ -17,7 +17,13 @@ from run_reading import final_state, straight_and_resumed
 import nvfp4_ops
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
-from nvfp4_train.model.config import ModelConfig, block_params, linear_paths, moe_layers
+from nvfp4_train.model.config import (
+    ModelConfig,
+    block_params,
+    linear_paths,
+    moe_blocks_note,
+    moe_layers,
+)
 from nvfp4_train.model.flops import matmul_params
 from nvfp4_train.model.moe.config import MoEConfig, expert_capacity, is_moe_layer
 from nvfp4_train.model.moe.dispatch import combine, dispatch, gather_rows
@@ -106,6 +112,9 @@ def test_dispatch_and_combine_equal_a_per_token_loop(capacity):
         ({"capacity_factor": -1.0}, "model.moe.capacity_factor must be > 0"),
         ({"shared_expert_gate": True}, "model.moe.shared_expert_gate must be false"),
         ({"dense_layers": (7,)}, "model.moe.dense_layers must be block indices < num_layers=2"),
+        ({"first_dense_layers": 10}, "no block is MoE: model.moe.first_dense_layers=10"),
+        ({"dense_layers": (0, 1)}, r"model.moe.dense_layers=\[0, 1\] leave all num_layers=2"),
+        ({"layer_freq": 5}, "model.moe.layer_freq=5 and"),
     ],
 )
 def test_bad_moe_settings_name_the_key(moe, match):
@@ -124,6 +133,13 @@ def test_which_blocks_are_moe_and_their_linears():
     ]  # fmt: skip
     assert "mlp.router.score_bias" in block_params(cfg, 1)
     assert "mlp.gate_up.kernel" in block_params(cfg, 0)
+
+
+def test_the_start_up_line_names_the_moe_blocks():
+    assert moe_blocks_note(_model_cfg(num_experts=0)) == ""
+    assert moe_blocks_note(_model_cfg()) == "MoE blocks 0-1 (4 experts, top 2)"
+    every_other = dataclasses.replace(_model_cfg(layer_freq=2), num_layers=6)
+    assert moe_blocks_note(every_other) == "MoE blocks 1, 3, 5 (4 experts, top 2)"
 
 
 def test_flops_count_the_active_experts():

@@ -58,6 +58,9 @@ class TrainConfig:
             update was skipped as non-finite or whose loss is not finite (0: never). Checked at
             every metrics row, so up to `log_every` steps after the fact; the run's checkpoints
             are kept as they are.
+        memory_check: refuse, before compiling or writing anything, a run whose per-device
+            memory estimate (`show-config --memory`) exceeds what a device holds (a GPU's memory
+            limit, a CPU device's share of the host RAM); false: try anyway.
     """
 
     steps: int = 300
@@ -69,6 +72,7 @@ class TrainConfig:
     eval_batches: int | None = None
     log_every: int = 10
     stop_after_nonfinite: int = 10
+    memory_check: bool = True
 
     def __post_init__(self) -> None:
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2)):

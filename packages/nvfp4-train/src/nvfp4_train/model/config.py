@@ -59,6 +59,9 @@ from nvfp4_train.model.structure import (
     linear_paths as linear_paths,
 )
 from nvfp4_train.model.structure import (
+    moe_blocks_note as moe_blocks_note,
+)
+from nvfp4_train.model.structure import (
     moe_layers as moe_layers,
 )
 
@@ -240,6 +243,7 @@ class ModelConfig:
         _check_shape(self)
         _check_architecture(self)
         _check_hybrid(self)
+        _check_some_block_is_moe(self)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -356,3 +360,19 @@ def _check_hybrid(cfg: ModelConfig) -> None:
         _check(getattr(cfg.moe, key) == default, f"moe.{key}",
                f"{default!r} with a model.pattern (the pattern's E letters say which blocks are "
                "MoE)", getattr(cfg.moe, key))  # fmt: skip
+
+
+def _check_some_block_is_moe(cfg: ModelConfig) -> None:
+    """Raises ValueError when `model.moe` asks for experts but its block-choosing keys leave every
+    block dense (the run would train the dense model while its config says MoE). A pattern's
+    `E` letters are checked by `_check_hybrid`."""
+    moe = cfg.moe
+    if cfg.pattern or not moe.num_experts or moe_layers(cfg):
+        return
+    raise ValueError(
+        f"model.moe.num_experts={moe.num_experts} but no block is MoE: "
+        f"model.moe.first_dense_layers={moe.first_dense_layers}, "
+        f"model.moe.layer_freq={moe.layer_freq} and model.moe.dense_layers="
+        f"{list(moe.dense_layers)} leave all num_layers={cfg.num_layers} blocks dense "
+        "(set model.moe.num_experts=0 for a dense model)"
+    )

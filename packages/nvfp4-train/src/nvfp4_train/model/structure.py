@@ -1,6 +1,6 @@
 """What a model config implies about the parameter tree: each block's kind (`block_kinds`), its
 quantizable linears in stochastic-rounding key order (`block_linear_names`, `linear_paths`), its
-parameters (`block_params`), which blocks are MoE (`moe_layers`) and the input amax each linear
+parameters (`block_params`), which blocks are MoE (`moe_layers`, `moe_blocks_note`) and the input amax each linear
 reports (`input_amax_shape`). Functions of a `ModelConfig` (`nvfp4_train.model.config`, which
 re-exports them).
 
@@ -142,3 +142,27 @@ def input_amax_shape(cfg, path: str) -> tuple[int, ...]:
 def moe_layers(cfg) -> list[int]:
     """The indices of the MoE blocks (none for a dense model)."""
     return [i for i in range(cfg.num_layers) if is_moe_block(cfg, i)]
+
+
+def moe_blocks_note(cfg) -> str:
+    """Which blocks are MoE, for the run's start-up line ("" for a dense model).
+
+    Example:
+        >>> from nvfp4_train.model.config import ModelConfig
+        >>> from nvfp4_train.model.moe.config import MoEConfig
+        >>> moe_blocks_note(ModelConfig(vocab_size=256, d_model=64, num_layers=6, num_heads=4,
+        ...     num_kv_heads=2, mlp_dim=128, moe=MoEConfig(num_experts=4, expert_mlp_dim=32,
+        ...     first_dense_layers=1, dense_layers=(4,))))
+        'MoE blocks 1-3, 5 (4 experts, top 2)'
+    """
+    runs: list[list[int]] = []
+    for i in moe_layers(cfg):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    if not runs:
+        return ""
+    spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    moe = cfg.moe
+    return f"MoE blocks {spans} ({moe.num_experts} experts, top {moe.experts_per_token})"

@@ -31,7 +31,9 @@ from nvfp4_train.mesh.sharding import (
     check_tensor_split,
     make_mesh,
 )
+from nvfp4_train.model.structure import moe_blocks_note
 from nvfp4_train.training.comms import check_gather_tiles
+from nvfp4_train.training.device_memory import check_memory_fits
 from nvfp4_train.training.downstream import load_tasks
 from nvfp4_train.training.loop import RunSummary, TrainingLoop
 from nvfp4_train.training.resume import resume_or_init
@@ -51,6 +53,16 @@ def _memory_line(mesh: Any, state: Any) -> str:
     )
 
 
+def _model_line(cfg: Config, state: Any) -> str:
+    """The start-up line that says what is trained (and which blocks are MoE, if any)."""
+    moe = moe_blocks_note(cfg.model)
+    return (
+        f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
+        f"vocab {cfg.model.vocab_size}{'; ' + moe if moe else ''}; "
+        f"precision.recipe={cfg.precision.recipe}"
+    )
+
+
 def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     """Trains `cfg` for `train.steps` steps in `cfg.output_dir`, resuming from its checkpoints.
 
@@ -62,7 +74,8 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
         A `RunSummary` of the run.
 
     Raises:
-        ConfigError: the config does not fit the data or the checkpoint in `output_dir`.
+        ConfigError: the config does not fit the data or the checkpoint in `output_dir`, or
+            its memory estimate does not fit a device (`training.device_memory`).
         TaskError: a file of `eval.tasks` that cannot be read (before anything is written).
     """
     stream = sys.stdout if stream is None else stream
@@ -72,6 +85,7 @@ def run(cfg: Config, *, stream: TextIO | None = None) -> RunSummary:
     check_expert_split(cfg.model.moe.num_experts, mesh.shape["expert"])
     check_tensor_split(cfg.model, mesh.shape["tensor"])
     check_gather_tiles(cfg, mesh.size)
+    check_memory_fits(cfg, jax.devices(), jax.local_device_count())  # before compiling, writing
     with run_directory(Path(cfg.output_dir)) as run_dir, exclusive(run_dir):
         return _run(cfg, datasets, tasks, mesh, run_dir, stream)
 
@@ -98,10 +112,7 @@ def _run(
         if jax.process_index() == 0:
             (run_dir / CONFIG_FILE).write_text(to_yaml(written))
             datasets.tokenizer.save(run_dir / TOKENIZER_DIR)
-        say(
-            f"model: {count_params(state.params):,} parameters, {cfg.model.num_layers} layers, "
-            f"vocab {cfg.model.vocab_size}; precision.recipe={cfg.precision.recipe}"
-        )
+        say(_model_line(cfg, state))
         say(_memory_line(mesh, state))
         say(datasets.documents)
         if start >= cfg.train.steps:
