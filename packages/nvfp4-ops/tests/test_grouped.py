@@ -75,7 +75,7 @@ def dense_loop(recipe: str, sizes: tuple[int, ...], fold=lambda key, e: jax.rand
                     recipe=recipe, key=k, backend="emulated",
                 ))  # fmt: skip
                 start += g
-            return jnp.concatenate([*outs, jnp.zeros((a.shape[0] - start, N), F32)])
+            return jnp.concatenate([*outs, jnp.zeros((a.shape[0] - start, b.shape[2]), F32)])
 
         y, pullback = jax.vjp(f, x, w)
         return (y, *pullback(dy))

@@ -28,6 +28,7 @@ from nvfp4_format._namespace import (
     check_logical_shape,
     check_rounding,
     check_uniform,
+    is_jax_array,
     namespace,
 )
 from nvfp4_format._pytree import register_dataclass
@@ -109,7 +110,7 @@ def quantize_mxfp4(
         return MXFP4Array(*empty, tuple(x.shape), scale_rule)
     x32 = xp.asarray(x, dtype=xp.float32)
     blocks = x32.reshape(*x32.shape[:-1], -1, MX_BLOCK_SIZE)
-    amax = xp.max(xp.abs(blocks), axis=-1)
+    amax = mx_block_amax(xp, blocks)
     exponent = _block_exponent(xp, amax, scale_rule)
     scaled = xp.clip(xp.ldexp(blocks, -exponent[..., None]), -E2M1_MAX, E2M1_MAX)
     codes = encode_e2m1(scaled.reshape(x32.shape), rounding=rounding, uniform=uniform)
@@ -139,6 +140,19 @@ def _block_exponent(xp: Any, amax: Any, scale_rule: str) -> Any:
     return mx_block_exponent(
         xp, amax, scale_rule, elem_max=E2M1_MAX, elem_emax=2, max_exponent=MAX_EXPONENT
     )
+
+
+def mx_block_amax(xp: Any, blocks: Any) -> Any:
+    """float32 max|x| of each block (the last axis of `blocks`), NaN where the block holds NaN.
+
+    `max` alone is not enough under XLA: XLA:CPU (jax 0.10) reduces rows of 32 or more with a
+    vector max that drops NaN (seen under `jax.vmap`), and a NaN block must get the NaN scale
+    byte. NumPy input never gets here with NaN (`check_finite` raised).
+    """
+    amax = xp.max(xp.abs(blocks), axis=-1)
+    if is_jax_array(blocks):
+        amax = xp.where(xp.any(xp.isnan(blocks), axis=-1), xp.float32(np.nan), amax)
+    return amax
 
 
 def mx_block_exponent(

@@ -42,6 +42,7 @@ from nvfp4_format.mxfp4 import (
     E8M0_NAN,
     MX_BLOCK_SIZE,
     SCALE_RULES,
+    mx_block_amax,
     mx_block_exponent,
 )
 
@@ -125,7 +126,7 @@ def quantize_mxfp8(x: Any, scale_rule: str = "ocp") -> MXFP8Array:
         )
     x32 = xp.asarray(x, dtype=xp.float32)
     blocks = x32.reshape(*x32.shape[:-1], -1, MX_BLOCK_SIZE)
-    amax = xp.max(xp.abs(blocks), axis=-1)
+    amax = mx_block_amax(xp, blocks)
     exponent = mx_block_exponent(
         xp,
         amax,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import nvfp4_format
-from nvfp4_ops.fp8 import FP8_MAX, dequantize_fp8, fp8_amax, quantize_fp8
+from nvfp4_ops.fp8 import FP8_MAX, abs_max, dequantize_fp8, fp8_amax, quantize_fp8
 
 E4M3_MAX = FP8_MAX["fp8_e4m3"]
 
@@ -134,11 +134,11 @@ def _quantize_nvfp4(x: jax.Array, tq, uniform: jax.Array | None, amax=None) -> A
 
 
 def _nvfp4_outer_amax(x: jax.Array, tq) -> jax.Array:
-    """max|x| (float32): of the tensor, or per row [..., 1] with outer_scale="row"."""
-    magnitude = jnp.abs(x.astype(jnp.float32))
+    """max|x| (float32, NaN kept: `fp8.abs_max`): of the tensor, or per row [..., 1] with
+    outer_scale="row"."""
     if tq.outer_scale == "row":
-        return jnp.max(magnitude, axis=-1, keepdims=True)
-    return jnp.max(magnitude)
+        return abs_max(x, axis=-1, keepdims=True)
+    return abs_max(x)
 
 
 def _dequantize_nvfp4(q: Any, dtype) -> jax.Array:

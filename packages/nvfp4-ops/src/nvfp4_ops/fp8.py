@@ -51,7 +51,23 @@ def quantize_fp8(x: jax.Array, fmt: str = "fp8_e4m3", amax: jax.Array | None = N
 
 def fp8_amax(x: jax.Array) -> jax.Array:
     """max|x| in float32 (0 for an empty x): the amax of the per-tensor scale."""
-    return jnp.max(jnp.abs(x.astype(jnp.float32))) if x.size else jnp.float32(0)
+    return abs_max(x) if x.size else jnp.float32(0)
+
+
+def abs_max(x: jax.Array, axis: int | None = None, keepdims: bool = False) -> jax.Array:
+    """max|x| in float32 over `axis` (default all), NaN wherever a reduced x is NaN.
+
+    Not `jnp.max(jnp.abs(x))`: XLA:CPU (jax 0.10) runs a max reduction over rows of about 64
+    elements or more (a batch of tiles' amaxes under `jax.vmap`, a 1x32 block) as a vector max
+    that drops NaN, so a NaN token gave a finite amax. The reducer max(|a|, |b|) is not matched
+    as a plain max and keeps NaN (as `nvfp4_format`'s per-block amax); it is as exact.
+    """
+    x32 = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim)) if axis is None else (axis % x.ndim,)
+    out = jax.lax.reduce(
+        x32, jnp.float32(0), lambda u, v: jnp.maximum(jnp.abs(u), jnp.abs(v)), axes
+    )
+    return jnp.expand_dims(out, axes) if keepdims else out
 
 
 def dequantize_fp8(t: FP8Tensor, dtype=jnp.float32) -> jax.Array:

@@ -195,8 +195,13 @@ def emulated_wgrad(lhs_tiles: jax.Array, rhs_tiles: jax.Array, layout: GroupLayo
 
 
 def xla_rows(lhs_tiles: jax.Array, rhs: jax.Array, layout: GroupLayout) -> jax.Array:
-    """`emulated_rows` through `jax.lax.ragged_dot_general` (ragged rows, rhs [E, Q, C])."""
+    """`emulated_rows` through `jax.lax.ragged_dot_general` (ragged rows, rhs [E, Q, C]).
+
+    The weights of empty groups are zeroed first: XLA:CPU computes the ragged dot as a masked
+    dot over all groups (0 * NaN = NaN), so a non-finite weight of an expert with no rows made
+    every output non-finite; an empty group has no output rows, its dense call no product."""
     n, a, c = lhs_tiles.shape
+    rhs = jnp.where((layout.padded_sizes > 0)[:, None, None], rhs, 0)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())),
         lhs_ragged_dimensions=(0,),
