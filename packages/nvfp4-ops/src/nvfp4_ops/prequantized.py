@@ -31,6 +31,7 @@ import numpy as np
 from nvfp4_ops.backends import Call, auto_order, operand_devices, select_backend
 from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
 from nvfp4_ops.dispatch import padding_multiple
+from nvfp4_ops.fp8 import abs_max
 from nvfp4_ops.gemm_table import as_key, gemm_quantized, operand_quants, operand_view
 from nvfp4_ops.qdot import GemmConfig, prequantized_dot
 from nvfp4_ops.quantizers import quantize_with
@@ -85,8 +86,9 @@ def _check(recipe: Recipe, w_shape: tuple[int, ...]) -> None:
 
 
 def weight_amax(w: jax.Array) -> jax.Array:
-    """max|w| as float32 (the amax `quantize_weight` takes; a shard's, to be max-reduced)."""
-    return jnp.max(jnp.abs(w)).astype(jnp.float32)
+    """max|w| as float32, NaN if w holds one (the amax `quantize_weight` takes; a shard's, to be
+    max-reduced)."""
+    return abs_max(w)
 
 
 def quantize_weight(w_KxN: jax.Array, recipe: Recipe | str, *, amax: jax.Array | None = None):
