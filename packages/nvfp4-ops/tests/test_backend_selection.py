@@ -359,3 +359,19 @@ def test_te_sharding_refuses_an_axis_the_mesh_lacks():
     sharding = nvfp4_ops.te_sharding(mesh, data="data", fsdp="model")
     with pytest.raises(ValueError, match=r"\{'fsdp': 'model'\} are not axes of the mesh"):
         sharding.__enter__()
+
+
+def test_a_prequantized_weight_on_auto_keeps_the_verification_rule(host):
+    """`prequantized_dot_general(backend="auto")` moves past "te" (no prequantized path) but,
+    like "auto", takes "xla" only once it passed its check (it used to take it unverified)."""
+    from nvfp4_ops.prequantized import _backend
+
+    call = Call(get_recipe("nvfp4"))
+    host(gpu=True, verified=("te",))
+    assert select_backend("auto", call) == "te"
+    assert _backend("auto", call) == "emulated"  # xla not verified
+    backends.record_verification("xla", False, "disagrees (fake)")
+    assert _backend("auto", call) == "emulated"
+    backends.record_verification("xla", True, "agrees (fake)")
+    assert _backend("auto", call) == "xla"
+    assert _backend(("te", "xla"), call) == "xla"  # an order: as given, without "te"

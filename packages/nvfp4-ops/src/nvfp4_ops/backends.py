@@ -295,12 +295,16 @@ def _note(pick: str, skipped: tuple[tuple[str, str], ...]) -> None:
     log.log(level, "nvfp4_ops: backend='auto' uses %r for this call (%s)", pick, reasons)
 
 
-def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
+def select_backend(
+    backend: str | tuple[str, ...], call: Call, *, exclude: tuple[str, ...] = ()
+) -> str:
     """The backend that runs `call`: a name (which must be able to), "auto", or an order.
 
     A name runs the call if it can at all. An order (and "auto") skips what cannot run it and
     "te" for calls that may span several devices (`TE_SHARDED_CALLS_VERIFIED`); "auto" also
-    skips "xla" and "te" until they passed `verify_backend` in this process.
+    skips "xla" and "te" until they passed `verify_backend` in this process. `exclude`: names
+    "auto" or an order never picks (a prequantized weight has no "te" path), the rules above
+    kept for the rest.
 
     Raises:
       ValueError: an unknown name, or a named backend that cannot run the call (why is said).
@@ -311,6 +315,7 @@ def select_backend(backend: str | tuple[str, ...], call: Call) -> str:
             raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
         return backend
     order = auto_order() if backend == "auto" else tuple(backend)
+    order = tuple(name for name in order if name not in exclude)
     if not order:
         raise ValueError("backend must name at least one backend, got ()")
     skipped = []

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nvfp4_ops.backends import Call, auto_order, operand_devices, select_backend
+from nvfp4_ops.backends import Call, operand_devices, select_backend
 from nvfp4_ops.canonical import from_canonical, make_layout, pad_to, to_canonical
 from nvfp4_ops.dispatch import padding_multiple
 from nvfp4_ops.fp8 import abs_max
@@ -160,12 +160,9 @@ def prequantized_dot_general(
 
 def _backend(backend: str | tuple[str, ...], call: Call) -> str:
     """`select_backend` without "te" (which quantizes its own weights): "auto" keeps its rules
-    (a native backend only once verified) and moves past "te"; a name or an order as given."""
+    for the others (a native backend only once verified); a name or an order as given."""
     if backend == "auto":
-        chosen = select_backend("auto", call)
-        if chosen != "te":
-            return chosen
-        backend = auto_order()
+        return select_backend("auto", call, exclude=("te",))
     names = (backend,) if isinstance(backend, str) else tuple(backend)
     order = tuple(n for n in names if n != "te")
     if not order:
