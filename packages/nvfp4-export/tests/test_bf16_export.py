@@ -4,6 +4,7 @@ refused."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import ml_dtypes
@@ -112,7 +113,8 @@ def test_verify_passes_and_catches_a_changed_weight(exports, runs, case, tmp_pat
     assert sealing_problems(path, manifest) == ([], [])
     report = verify(path, against=runs[case])
     assert report.ok and report.complete, report
-    assert any(c.name == "transformers (BF16)" and c.passed for c in report.comparisons)
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        assert any(c.name == "transformers (BF16)" and c.passed for c in report.comparisons)
 
 
 def test_a_weight_off_by_one_bit_is_reported(runs, tmp_path):

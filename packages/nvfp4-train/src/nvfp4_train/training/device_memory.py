@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.blocks.attention import run_attention
 from nvfp4_train.training.memory import GIB, MemoryEstimate, estimate_memory
@@ -72,13 +74,17 @@ def memory_refusal(
 
 def check_memory_fits(cfg: Any, devices: list, local_devices: int) -> None:
     """Raises ConfigError when the estimate for a run of `cfg` (`model.vocab_size` set) on
-    `devices` exceeds what one of them holds, unless `train.memory_check` is false."""
+    `devices` exceeds what one of them holds, unless `train.memory_check` is false. Only a
+    device of this process is asked (another process's device cannot answer here: asking one
+    in a two-process run made their first collective time out: tests/test_distributed.py)."""
     if not cfg.train.memory_check or not devices:
         return
-    capacity = device_capacity(devices[0], local_devices)
+    here = jax.process_index()
+    device = next((d for d in devices if getattr(d, "process_index", here) == here), None)
+    capacity = device_capacity(device, local_devices) if device is not None else None
     if capacity is None:
         return
-    attention = run_attention(cfg, devices[0].platform)
+    attention = run_attention(cfg, device.platform)
     estimate = estimate_memory(cfg, len(devices), attention)
     refusal = memory_refusal(estimate.total, capacity, estimate)
     if refusal:

@@ -22,7 +22,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nvfp4_train.model.config import ARCHITECTURES, ROPE_TYPES, RopeScaling
+from nvfp4_train.model.config import (
+    ARCHITECTURES,
+    HYBRID_ARCHITECTURES,
+    ROPE_TYPES,
+    RopeScaling,
+)
 from nvfp4_train.model.hf.errors import HFConfigError
 from nvfp4_train.model.hf.moe import (
     MOE_MODEL_TYPES,
@@ -40,6 +45,9 @@ _NOT_LLAMA_OPTIONS = {
     "mlp_bias": False,
 }
 """Hugging Face options whose only supported value is the one given (a different one is refused)."""
+
+IMPORTED_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a not in HYBRID_ARCHITECTURES)
+"""The `model_type`s `model.init_from` imports (the hybrid ones: not yet)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -136,9 +144,16 @@ def _check_supported(kind: Any, hf: Mapping[str, Any]) -> None:
     variant = unsupported_model_type(kind)
     if variant is not None:
         raise HFConfigError(f"model.init_from: {variant}")
-    if kind not in ARCHITECTURES:
+    if kind in HYBRID_ARCHITECTURES:
         raise HFConfigError(
-            f"model.init_from: model_type {kind!r} is not supported (supported: {ARCHITECTURES})"
+            f"model.init_from: importing a {kind!r} checkpoint is not supported yet (this trainer "
+            f"builds the architecture from scratch: model.architecture={kind} with a "
+            "model.pattern; docs/hybrid.md)"
+        )
+    if kind not in IMPORTED_ARCHITECTURES:
+        raise HFConfigError(
+            f"model.init_from: model_type {kind!r} is not supported (supported: "
+            f"{IMPORTED_ARCHITECTURES})"
         )
     if hf.get("quantization_config"):
         raise HFConfigError(
