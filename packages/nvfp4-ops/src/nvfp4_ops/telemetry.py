@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from nvfp4_ops.canonical import pad_to
 from nvfp4_ops.formats import E2M1_MAX, FORMAT_OPS, SATURATION_SLACK
-from nvfp4_ops.fp8 import abs_max
+from nvfp4_ops.fp8 import fp8_amax
 from nvfp4_ops.gemm_table import operand_view, quantizations, require_key, split_keys
 from nvfp4_ops.quantizers import dequantize_operand, quantize_operand
 from nvfp4_ops.recipe import Recipe, TensorQuant
@@ -100,7 +100,7 @@ def operand_stats(
         raise ValueError(f"16x16 tiles need x with at least 2 dimensions, got shape {x.shape}")
     with jax.named_scope(f"nvfp4/telemetry_{tq.fmt}"):
         x32 = x.astype(jnp.float32)
-        amax = abs_max(x32) if x32.size else jnp.float32(0.0)
+        amax = fp8_amax(x32)
         if not tq.quantized:
             zero = jnp.float32(0.0)
             return {"amax": amax, "underflow": zero, "saturation": zero, "rel_error": zero}
