@@ -343,9 +343,9 @@ def test_the_cli_reports_a_bad_model_directory_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "error: model.init_from: model_type 'gpt_neox' is not supported (supported: "
-        "('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'qwen2_moe'))"
+        "('llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe', 'mixtral', 'qwen2_moe', 'nemotron_h'))"
     ]
-    hybrid_dir = write_model(tmp_path / "h", {**QWEN3, "model_type": "nemotron_h"}, {})
+    hybrid_dir = write_model(tmp_path / "h", {**QWEN3, "model_type": "jamba"}, {})
     assert main(["show-config", str(tiny), f"model.init_from={hybrid_dir}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: model.init_from: importing a 'nemotron_h' checkpoint is not ")
+    assert err.startswith("error: model.init_from: JambaForCausalLM (model_type 'jamba') is not ")

@@ -26,7 +26,7 @@ from nvfp4_train.config.run_config import Config, upgraded
 from nvfp4_train.data.iterator_state import restore_iterator_state
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import tree_shardings
-from nvfp4_train.model.hf.weights import load_hf_params
+from nvfp4_train.model.hf.weights import load_hf_params, unused_lines
 from nvfp4_train.observe.metrics import truncate_metrics
 from nvfp4_train.optim.optimizer import make_optimizer, make_schedule
 from nvfp4_train.training.step import init_state, make_train_step, model_spec, state_from_params
@@ -189,8 +189,8 @@ def _imported_state(cfg: Config, abstract: Any, shardings: Any, say: Callable[[s
         f"initialised from {cfg.model.init_from} ({cfg.model.architecture}) in "
         f"{time.perf_counter() - start:.1f} s"
     )
-    if unused:
-        say(f"warning: {len(unused)} tensors of the checkpoint are not used: {unused[:8]}")
+    for line in unused_lines(unused):
+        say(line)
     return state
 
 

@@ -4,7 +4,8 @@
 `trust_remote_code`) and returns the `model:` mapping with every key the checkpoint fixes
 filled in. A key the user also wrote must agree, or the error names both values; options this
 decoder cannot compute (another activation, MLP biases, a sliding window shorter than
-`max_seq_len`, a RoPE type other than default / linear / llama3) are refused by name.
+`max_seq_len`, a RoPE type other than default / linear / llama3) are refused by name. A
+Nemotron-H config (`nemotron_h`) is read by `hf.nemotron_h` (its pattern and `model.mamba`).
 
 Example:
     >>> section = model_section({"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
@@ -22,12 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nvfp4_train.model.config import (
-    ARCHITECTURES,
-    HYBRID_ARCHITECTURES,
-    ROPE_TYPES,
-    RopeScaling,
-)
+from nvfp4_train.model.config import ARCHITECTURES, ROPE_TYPES, RopeScaling
 from nvfp4_train.model.hf.errors import HFConfigError
 from nvfp4_train.model.hf.moe import (
     MOE_MODEL_TYPES,
@@ -35,6 +31,14 @@ from nvfp4_train.model.hf.moe import (
     moe_section,
     unsupported_model_type,
 )
+from nvfp4_train.model.hf.nemotron_h import (
+    NEMOTRON_H,
+    merge_mamba,
+    nemotron_h_section,
+    unsupported_relative,
+)
+from nvfp4_train.model.hf.values import whole_number as _int
+from nvfp4_train.model.pattern import pattern_kinds
 
 DENSE_BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
 """An MoE `model_type` -> the dense one whose attention it has (biases, q/k norms, windows)."""
@@ -46,8 +50,8 @@ _NOT_LLAMA_OPTIONS = {
 }
 """Hugging Face options whose only supported value is the one given (a different one is refused)."""
 
-IMPORTED_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a not in HYBRID_ARCHITECTURES)
-"""The `model_type`s `model.init_from` imports (the hybrid ones: not yet)."""
+IMPORTED_ARCHITECTURES = ARCHITECTURES
+"""The `model_type`s `model.init_from` imports (nemotron_h: `hf.nemotron_h`, dense blocks)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -126,11 +130,14 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
     """
     kind = hf.get("model_type")
     _check_supported(kind, hf)
-    section, limit = _dimensions(kind, hf)
-    section.update(_attention_options(kind, hf))
+    if kind == NEMOTRON_H:
+        section, limit = nemotron_h_section(hf)
+    else:
+        section, limit = _dimensions(kind, hf)
+        section.update(_attention_options(kind, hf))
     if kind in MOE_MODEL_TYPES:
         section["moe"] = moe_section(hf)
-    window = _sliding_window(hf)
+    window = None if kind == NEMOTRON_H else _sliding_window(hf)
     if max_seq_len is None:
         section["max_seq_len"] = min(limit, window) if window else limit
     else:
@@ -141,15 +148,9 @@ def model_section(hf: Mapping[str, Any], max_seq_len: int | None = None) -> dict
 def _check_supported(kind: Any, hf: Mapping[str, Any]) -> None:
     """HFConfigError unless `model_type` is one this decoder builds, the checkpoint is not
     quantized and every `_NOT_LLAMA_OPTIONS` option has its supported value."""
-    variant = unsupported_model_type(kind)
+    variant = unsupported_model_type(kind) or unsupported_relative(kind)
     if variant is not None:
         raise HFConfigError(f"model.init_from: {variant}")
-    if kind in HYBRID_ARCHITECTURES:
-        raise HFConfigError(
-            f"model.init_from: importing a {kind!r} checkpoint is not supported yet (this trainer "
-            f"builds the architecture from scratch: model.architecture={kind} with a "
-            "model.pattern; docs/hybrid.md)"
-        )
     if kind not in IMPORTED_ARCHITECTURES:
         raise HFConfigError(
             f"model.init_from: model_type {kind!r} is not supported (supported: "
@@ -224,29 +225,16 @@ def _check_max_seq_len(max_seq_len: int, window: int | None, limit: int) -> None
         )
 
 
-def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """config.json's `key` as an int: a whole number (2, or 2.0), never a truncated 2.5, a
-    boolean or a null; a missing `key` (or a null optional one) is `default`, a missing required
-    one a KeyError."""
-    if key not in hf:
-        if default is None:
-            raise KeyError(key)
-        return default
-    value = hf[key]
-    if value is None and default is not None:
-        return default
-    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not whole:
-        raise HFConfigError(f"model.init_from: config.json's {key} must be a whole number, "
-                            f"got {value!r}")  # fmt: skip
-    return int(value)
-
-
 def _agrees(key: str, mine: Any, theirs: Any, section: Mapping[str, Any]) -> bool:
     if key == "head_dim" and mine == 0:
         return theirs == section["d_model"] // section["num_heads"]
     if key == "vocab_size" and mine == 0:
         return True
+    if key == "pattern":
+        try:
+            return pattern_kinds(mine) == pattern_kinds(theirs)
+        except (TypeError, ValueError):
+            return False
     if key == "rope_scaling" and isinstance(mine, Mapping):
         defaults = dataclasses.asdict(RopeScaling())
         mine, theirs = {**defaults, **mine}, {**defaults, **theirs}
@@ -278,10 +266,12 @@ def fill_model_section(model: Mapping[str, Any]) -> dict[str, Any]:
     disagree = [
         f"model.{k}={model[k]!r} but {model_dir}/{CONFIG_FILE} gives {v!r}"
         for k, v in section.items()
-        if k in model and k != "moe" and not _agrees(k, model[k], v, section)
+        if k in model and k not in ("moe", "mamba") and not _agrees(k, model[k], v, section)
     ]
     if disagree:
         raise HFConfigError("model.init_from: " + "; ".join(disagree))
+    if "mamba" in section:
+        section["mamba"] = merge_mamba(model.get("mamba"), section["mamba"], str(model_dir))
     if "moe" in section:
         section["moe"] = merge_moe(model.get("moe"), section["moe"], str(model_dir))
     elif (model.get("moe") or {}).get("num_experts"):

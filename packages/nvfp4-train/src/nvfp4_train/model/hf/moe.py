@@ -46,9 +46,9 @@ UNSUPPORTED_MOE = {
     "olmoe": "q/k norms over all heads",
     "dbrx": "fused attention and clipped q/k/v",
     "phimoe": "sparsemixer routing",
-    "jamba": "Mamba layers",
 }
-"""MoE `model_type`s met on the Hub that the MoE block does not implement, and why."""
+"""MoE `model_type`s met on the Hub that the MoE block does not implement, and why (the hybrid
+Mamba ones, Jamba's included: `hf.nemotron_h.HYBRID_RELATIVES`)."""
 BLOCK_PREFIX = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
 """Where an MoE block's per-expert tensors and router live in each class's checkpoints."""
 EXPERT_NAMES = {

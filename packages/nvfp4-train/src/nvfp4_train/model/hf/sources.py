@@ -1,7 +1,8 @@
 """Where each parameter of the run's tree is read from in a Hugging Face checkpoint.
 
 `Source`: HF tensors concatenated along the parameter's last axis (transposed or not), optionally
-one entry of a stacked HF tensor (transformers 5's fused `experts.gate_up_proj` [E, 2F, D]);
+one entry of a stacked HF tensor (transformers 5's fused `experts.gate_up_proj` [E, 2F, D]), or a
+depthwise conv's weight (torch's `Conv1d.weight` [C, 1, K], read as [C, K]);
 `ExpertSources`: one `Source` per expert along the parameter's leading axis (an MoE block's
 `experts.gate_up.kernel` [E, D, 2F]); a `Source` without parts is zeros (a parameter the HF model
 does not have, such as the router's balancing bias). `hf_weights` reads them, `hf_moe` and
@@ -22,11 +23,14 @@ class Source:
         transposed: HF stores it [out, in], the parameter is [in, out].
         entry: the HF tensors are stacked [E, ...] and this is their entry `entry` (None: the
             whole tensor).
+        depthwise_conv: the HF tensor is a depthwise conv's weight [C, 1, K], read as [C, K]
+            (transposed: the parameter is [K, C]).
     """
 
     parts: tuple[tuple[str, int], ...]
     transposed: bool = False
     entry: int | None = None
+    depthwise_conv: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

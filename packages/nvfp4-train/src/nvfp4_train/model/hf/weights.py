@@ -32,6 +32,12 @@ from nvfp4_format.safetensors_index import read_safetensors_index
 from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.model.hf.errors import HFImportError
 from nvfp4_train.model.hf.moe import check_experts, moe_sources
+from nvfp4_train.model.hf.nemotron_h import NEMOTRON_H
+from nvfp4_train.model.hf.nemotron_h_weights import (
+    check_nemotron_h,
+    mtp_tensors,
+    nemotron_h_sources,
+)
 from nvfp4_train.model.hf.sources import ExpertSources, Source
 from nvfp4_train.model.moe.config import is_moe_layer
 from nvfp4_train.model.stacking import is_stacked, layer_paths
@@ -47,7 +53,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def sources(cfg: ModelConfig, names: Collection[str] = ()) -> dict[str, Source | ExpertSources]:
     """Canonical parameter path (`layers.{i}.attn.qkv.kernel`, ...) -> where its values are;
     `names` (the checkpoint's tensor names) tells which layout an MoE block's experts are in
-    (`hf_moe.moe_sources`)."""
+    (`hf_moe.moe_sources`), and for Nemotron-H which of its two layouts it is."""
+    if cfg.architecture == NEMOTRON_H:
+        return dict(nemotron_h_sources(cfg, names))
     hd = cfg.resolved_head_dim
     q, kv, f = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.mlp_dim
     out = {
@@ -153,10 +161,10 @@ class _Reader:
                     f"config implies {shape}"
                 )
 
-    def copy(self, out: np.ndarray, name: str, index: tuple[slice, ...], transposed: bool,
-             entry: int | None = None) -> None:  # fmt: skip
-        """out[...] = tensor[index] (or its transpose), `index` slices of the stored tensor (of
-        its entry `entry` along a leading stacked axis, when given)."""
+    def copy(self, out: np.ndarray, name: str, index: tuple[slice, ...], source: Source) -> None:
+        """out[...] = tensor[index] (its transpose when `source.transposed`), `index` slices of
+        the stored tensor (of its entry `source.entry` along a leading stacked axis, when given;
+        a depthwise conv's [C, 1, K] read as [C, K])."""
         first = index[0]
         row_bytes = 4 * max(1, out.size // max(1, first.stop - first.start))
         step = max(1, CHUNK_BYTES // row_bytes)
@@ -164,11 +172,12 @@ class _Reader:
         for lo in range(first.start, first.stop, step):
             hi = min(lo + step, first.stop)
             stored = read_tensor(header, name)
-            stored = stored if entry is None else stored[entry]
+            stored = stored if source.entry is None else stored[source.entry]
+            stored = stored[:, 0] if source.depthwise_conv else stored
             chunk = stored[(slice(lo, hi), *index[1:])]
             rows = slice(lo - first.start, hi - first.start)
-            region = out[..., rows] if transposed else out[rows]
-            region[...] = chunk.T if transposed else chunk
+            region = out[..., rows] if source.transposed else out[rows]
+            region[...] = chunk.T if source.transposed else chunk
             del chunk, stored  # unmaps the tensor
             if not np.isfinite(region).all():
                 raise HFImportError(
@@ -182,6 +191,8 @@ CHUNK_BYTES = 64 * 2**20
 
 
 def _hf_shape(source: Source, rows: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if source.depthwise_conv:  # [K, C] from [C, 1, K]
+        return (rows, 1, shape[0])
     if source.transposed:
         return (rows, shape[0])
     return (rows, *shape[1:]) if len(shape) == 1 else shape
@@ -213,11 +224,11 @@ def _fill(reader: _Reader, out: np.ndarray, source: Source, index: tuple[slice, 
             part_rows = slice(lo - offset, hi - offset)
             dst = out[..., lo - last.start : hi - last.start]
             if source.transposed:  # stored [out, in]: its rows are our last axis
-                reader.copy(dst, name, (part_rows, index[0]), True, source.entry)
+                reader.copy(dst, name, (part_rows, index[0]), source)
             elif len(index) == 1:
-                reader.copy(dst, name, (part_rows,), False, source.entry)
+                reader.copy(dst, name, (part_rows,), source)
             else:  # one part (embedding): stored as the parameter
-                reader.copy(dst, name, (*index[:-1], part_rows), False, source.entry)
+                reader.copy(dst, name, (*index[:-1], part_rows), source)
         offset += rows
 
 
@@ -278,7 +289,10 @@ def load_hf_params(
     files = tensor_files(model_dir)
     table = sources(cfg, files)
     reader = _Reader(files)
-    check_experts(cfg, files, lambda n: tuple(reader.headers[files[n]].tensors[n].shape))
+    shape_of = lambda n: tuple(reader.headers[files[n]].tensors[n].shape)  # noqa: E731
+    check_experts(cfg, files, shape_of)
+    if cfg.architecture == NEMOTRON_H:
+        check_nemotron_h(cfg, files, shape_of)
     canonical_shapes = _canonical_shapes(abstract_params)
     if set(canonical_shapes) != set(table):
         raise HFImportError(
@@ -299,6 +313,28 @@ def load_hf_params(
         and not (cfg.tie_embeddings and n == "lm_head.weight")
     )  # fmt: skip
     return params, unused
+
+
+def unused_lines(unused: Collection[str]) -> list[str]:
+    """What a run says of the checkpoint's tensors it does not use (`load_hf_params`): the
+    multi-token-prediction ones dropped (the trainer's MTP is off), then the others listed.
+
+    Example:
+        >>> unused_lines(["mtp.layers.0.norm.weight", "mtp.layers.0.eh_proj.weight"])[0]
+        'model.init_from: dropping the 2 multi-token-prediction (MTP) tensors (mtp.*): the run trains without MTP'
+    """
+    mtp = mtp_tensors(unused)
+    rest = sorted(n for n in unused if n not in set(mtp))
+    lines = []
+    if mtp:
+        roots = sorted({n.split("mtp.")[0] + "mtp.*" for n in mtp})
+        lines.append(
+            f"model.init_from: dropping the {len(mtp)} multi-token-prediction (MTP) tensors "
+            f"({', '.join(roots)}): the run trains without MTP"
+        )
+    if rest:
+        lines.append(f"warning: {len(rest)} tensors of the checkpoint are not used: {rest[:8]}")
+    return lines
 
 
 def _canonical_shapes(abstract_params: Any) -> dict[str, tuple[int, ...]]:
