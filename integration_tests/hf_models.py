@@ -2,7 +2,8 @@
 
 Each case is a transformers config class and its keyword arguments: the architectures and options
 `model.init_from` accepts (Llama 2/3, Llama 3.2 with llama3 RoPE scaling and tied embeddings,
-attention biases, Mistral, Qwen 2 with q/k/v biases, Qwen 3 with q/k norms). Every parameter,
+attention biases, Mistral, Qwen 2 with q/k/v biases, Qwen 3 with q/k norms; the MoE classes;
+Nemotron-H with Mamba-2, squared-ReLU MLP and attention blocks). Every parameter,
 norms and biases included, is drawn at random, so a norm or bias read into the wrong place shows.
 The tokenizer is a byte-level BPE trained on `TEXT` with the `<|endoftext|>` end-of-text token.
 """
@@ -63,9 +64,25 @@ MOE_CASES = {
 """Mixture-of-Experts cases (2 blocks, 4 experts, top-2, d_model 64): saved per expert as
 `save_pretrained` writes them, or `-fused` (transformers 5's in-memory `experts.gate_up_proj` /
 `experts.down_proj`, `save_pretrained(save_original_format=False)`)."""
-ALL_CASES = {**CASES, **MOE_CASES}
+_NEMOTRON_H = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, layer_norm_epsilon=1e-6,
+    layers_block_type=["mamba", "mlp", "mamba", "mlp", "attention", "mlp"], mamba_num_heads=16,
+    mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=16, time_step_limit=(0.4, 1.0),
+)  # fmt: skip
+NEMOTRON_H_CASES = {
+    "nemotron_h": ("NemotronHConfig", _NEMOTRON_H),
+    "nemotron_h-library": ("NemotronHConfig", _NEMOTRON_H),
+}
+"""Nemotron-H (6 blocks M-M-*-, d_model 64, 16 Mamba heads of 8 in 2 groups, state 16, chunks of
+16; dt clipped to [0.4, 1.0], which binds for the random weights): `nemotron_h` as the Hub holds
+it (`backbone.*`, config.json rewritten in the legacy form, `legacy_nemotron_h_config`),
+`-library` in transformers' own layout (`model.*`) and config.json as transformers 5 writes it."""
+ALL_CASES = {**CASES, **MOE_CASES, **NEMOTRON_H_CASES}
 ARCHITECTURE = {
-    case: {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(name, name)
+    case: {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "nemotronh": "nemotron_h"}.get(
+        name, name
+    )
     for case, (cls, _) in ALL_CASES.items()
     for name in [cls.removesuffix("Config").lower()]
 }
@@ -95,7 +112,7 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
 
     class_name, options = ALL_CASES[case]
     options = copy.deepcopy(options)  # transformers writes rope_theta into a rope_scaling dict
-    shape = _MOE_SHAPE if case in MOE_CASES else _SHAPE
+    shape = _MOE_SHAPE if case in MOE_CASES else {} if case in NEMOTRON_H_CASES else _SHAPE
     config = getattr(transformers, class_name)(**shape, **options)
     tok = tokenizer()
     config.eos_token_id = config.bos_token_id = tok.token_to_id(EOS)
@@ -111,9 +128,35 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
                 param.copy_(0.5 * torch.randn_like(param))  # decisive routing: few near-ties
             else:
                 param.copy_(0.08 * torch.randn_like(param))
-    model.save_pretrained(out_dir, save_original_format=not case.endswith("-fused"))
+    model.save_pretrained(out_dir, save_original_format=not case.endswith(("-fused", "-library")))
     tok.save(str(out_dir / "tokenizer.json"))
+    if case == "nemotron_h":
+        legacy_nemotron_h_config(out_dir / "config.json")
     return model
+
+
+LEGACY_NAMES = {
+    "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "expand": "mamba_expand",
+    "time_step_min": "mamba_dt_min", "time_step_max": "mamba_dt_max",
+    "time_step_limit": "mamba_dt_limit", "time_step_floor": "mamba_dt_init_floor",
+    "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size",
+}  # fmt: skip
+"""transformers 5's Nemotron-H key -> the legacy name its `NemotronHConfig` still reads."""
+
+
+def legacy_nemotron_h_config(path: Path) -> None:
+    """Rewrites a Nemotron-H config.json in the legacy form: `hybrid_override_pattern` letters
+    and `num_hidden_layers` for `layers_block_type`, the `mamba_*` names of `LEGACY_NAMES`."""
+    import json
+
+    config = json.loads(path.read_text())
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    blocks = config.pop("layers_block_type")
+    config["hybrid_override_pattern"] = "".join(letters[b] for b in blocks)
+    config["num_hidden_layers"] = len(blocks)
+    for new, old in LEGACY_NAMES.items():
+        config[old] = config.pop(new)
+    path.write_text(json.dumps(config, indent=2))
 
 
 def text_batch(rows: int, length: int):
