@@ -5,7 +5,8 @@ Both forms of the config are read: transformers 5's (`layers_block_type`: `linea
 `mamba`, `full_attention` / `attention`, `mlp`, `moe`; `n_groups`, `conv_kernel`, `chunk_size`,
 `time_step_limit`, ...) and the legacy one of NVIDIA's remote code (`hybrid_override_pattern`
 letters with `num_hidden_layers`, and the `mamba_*` aliases of `LEGACY_KEYS`); a key written both
-ways must agree. Keys transformers' `NemotronHConfig` defaults are read with its defaults.
+ways must agree. A key absent takes the default of transformers' `NemotronHConfig` (the tensors'
+shapes are checked against the result).
 Options the trainer does not compute are refused by name, and so are the hybrid relatives
 (`HYBRID_RELATIVES`: Mamba-1, Jamba, Falcon-H1, Zamba, ...). Nemotron 3's MoE blocks (`E`) are
 refused for now, naming the blocks: their router and experts are another block's import.
@@ -196,11 +197,13 @@ def nemotron_h_section(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
             whole_number(hf, "hidden_size"),
             whole_number(hf, "num_attention_heads", 32),
         )
+        kv_heads = whole_number(hf, "num_key_value_heads", 8)  # null: as many as the q heads
         section: dict[str, Any] = {
             "architecture": NEMOTRON_H, "vocab_size": whole_number(hf, "vocab_size"),
             "d_model": d_model, "num_layers": len(pattern), "pattern": pattern,
-            "num_heads": heads, "num_kv_heads": whole_number(hf, "num_key_value_heads", heads),
-            "head_dim": whole_number(hf, "head_dim", d_model // heads),
+            "num_heads": heads,
+            "num_kv_heads": heads if hf.get("num_key_value_heads", 8) is None else kv_heads,
+            "head_dim": whole_number(hf, "head_dim", 128),
             "mlp_dim": whole_number(hf, "intermediate_size", 21504),
             "rms_norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
             "tie_embeddings": False, "qkv_bias": False, "o_bias": False, "qk_norm": False,
