@@ -35,6 +35,8 @@ def model_config(**overrides) -> dict:
 
 def random_params(model: dict, seed: int = 0) -> dict:
     """A params tree of the training model's form (float32; norms near 1, like trained ones)."""
+    if model.get("pattern"):
+        return hybrid_params(model, seed)
     rng = np.random.default_rng(seed)
     d, f, v, n = model["d_model"], model["mlp_dim"], model["vocab_size"], model["num_layers"]
     hd = model["head_dim"] or d // model["num_heads"]
@@ -73,6 +75,46 @@ def random_params(model: dict, seed: int = 0) -> dict:
     if not model["tie_embeddings"]:
         params["lm_head"] = {"kernel": w(d, v, std=0.2)}
     return params
+
+
+HYBRID_LINEARS = {"M": ("mamba.in_proj", "mamba.out_proj"), "*": ("attn.qkv", "attn.o"),
+                  "-": ("mlp.up", "mlp.down")}  # fmt: skip
+"""A hybrid block's quantizable linears by pattern letter (training's names)."""
+
+
+def hybrid_params(model: dict, seed: int = 0) -> dict:
+    """A `nemotron_h` params tree of the training model's form (float32): per block `norm` and
+    one mixer (Mamba-2 with its conv, dt_bias, A_log, D and gated norm; attention; relu2 MLP)."""
+    rng = np.random.default_rng(seed)
+    d, f, v, m = model["d_model"], model["mlp_dim"], model["vocab_size"], model["mamba"]
+    hd = model["head_dim"] or d // model["num_heads"]
+    nh, nkv = model["num_heads"], model["num_kv_heads"]
+    heads, inner = m["num_heads"], m["num_heads"] * m["head_dim"]
+    conv = inner + 2 * m["n_groups"] * m["state_dim"]
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(size=d):
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    def block(letter):
+        if letter == "*":
+            return {"attn": {"qkv": {"kernel": w(d, (nh + 2 * nkv) * hd)},
+                             "o": {"kernel": w(nh * hd, d)}}}  # fmt: skip
+        if letter == "-":
+            return {"mlp": {"up": {"kernel": w(d, f)}, "down": {"kernel": w(f, d)}}}
+        return {"mamba": {
+            "in_proj": {"kernel": w(d, inner + conv + heads)}, "out_proj": {"kernel": w(inner, d)},
+            "conv1d": {"kernel": w(m.get("conv_kernel", 4), conv, std=0.3), "bias": w(conv, std=0.1)},
+            "dt_bias": np.log(np.expm1(rng.uniform(0.01, 0.1, heads))).astype(np.float32),
+            "A_log": np.log(rng.uniform(1, 16, heads)).astype(np.float32),
+            "D": norm(heads), "norm": {"scale": norm(inner)},
+        }}  # fmt: skip
+
+    layers = {str(i): {"norm": {"scale": norm()}, **block(c)} for i, c in enumerate(model["pattern"])}  # fmt: skip
+    return {"embed": {"embedding": w(v, d, std=0.5)}, "layers": layers,
+            "final_norm": {"scale": norm()}, "lm_head": {"kernel": w(d, v, std=0.2)}}  # fmt: skip
 
 
 def is_moe(model: dict, i: int) -> bool:
@@ -133,7 +175,7 @@ def trained_stats(model: dict) -> dict:
     names = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
     amax: dict = {}
     for i in range(model["num_layers"]):
-        block = names
+        block = HYBRID_LINEARS[model["pattern"][i]] if model.get("pattern") else names
         if is_moe(model, i):
             shared = ("mlp.shared.gate_up", "mlp.shared.down")
             block = MOE_NAMES + shared * bool(model["moe"].get("shared_experts"))
