@@ -20,8 +20,8 @@ from types import MappingProxyType
 import ml_dtypes
 import numpy as np
 
+import nvfp4_export.eight_bit_formats as eight_bit
 import nvfp4_format
-from nvfp4_export import eight_bit_formats as eight_bit
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_format.layout_names import CT_MXFP4, CT_NVFP4, MODELOPT_NVFP4, LayoutNames
@@ -202,20 +202,17 @@ LAYOUT_NAMES: Mapping[str, LayoutNames] = MappingProxyType(
 
 
 def stored_format(fmt: str, layout: str) -> str:
-    """The format a linear trained in `fmt` is stored with in `layout`: `fmt` itself, or its
-    stand-in there (MXFP8 -> "fp8" in ModelOpt); "bf16" for every linear of `BF16_LAYOUT`.
+    """The format a linear trained in `fmt` is stored with in `layout`: its stand-in there
+    (MXFP8 -> "fp8" in ModelOpt), "bf16" for every linear of `BF16_LAYOUT`, else `fmt` itself
+    (`layouts.plan_layout` refuses a format its layout cannot hold).
 
-    Raises:
-        ExportError: `fmt` is quantized and `layout` holds neither it nor a stand-in.
+    Example:
+        >>> stored_format("mxfp8", "modelopt"), stored_format("mxfp8", "compressed-tensors")
+        ('fp8', 'mxfp8')
     """
     if layout == BF16_LAYOUT or fmt == BF16:
         return BF16
-    f = FORMATS[fmt]
-    if layout in f.layouts:
-        return fmt
-    if layout in f.standins:
-        return f.standins[layout]
-    return layout_names(fmt, layout).layout  # raises, naming the layouts that hold it
+    return FORMATS[fmt].standins.get(layout, fmt)
 
 
 def layout_names(fmt: str, layout: str) -> LayoutNames:

@@ -52,8 +52,10 @@ def hybrid_layout_refusal(server: str, plan) -> str | None:
             "(transformers 5.25). Dequantize with compressed-tensors first "
             "(nvfp4_export.clients.moe_dense_copy), or leave transformers out of --server"
         )
-    if server == "tensorrt-llm" and plan.layout == "compressed-tensors" and "mxfp8" in (
-        plan.formats
+    if (
+        server == "tensorrt-llm"
+        and plan.layout == "compressed-tensors"
+        and "mxfp8" in (plan.formats)
     ):
         return (
             "TensorRT-LLM has no MXFP8 quantization (tensorrt_llm/quantization/mode.py, "

@@ -212,22 +212,26 @@ def hybrid_fields(model: Mapping[str, Any]) -> dict[str, HybridSpec]:
 
 
 def never_quantized_refusal(
-    hybrid: HybridSpec, recipes: Mapping[str, str], overrides: Sequence[str]
+    hybrid: HybridSpec,
+    recipes: Mapping[str, str],
+    overrides: Sequence[str],
+    linear_paths: Sequence[str],
 ) -> None:
-    """Raises ExportError (one line) when the checkpoint's recipe list or the config's
-    `precision.overrides` would quantize a module that never quantizes (`NEVER_QUANTIZED`)."""
-    for i in range(len(hybrid.pattern)):
-        for module in NEVER_QUANTIZED:
-            path = f"layers.{i}.{module}"
-            recipe = recipes.get(path, "bf16")
-            if recipe != "bf16":
-                raise ExportError(f"quant_stats.recipes would quantize {path} with {recipe!r}; "
-                                  f"{_NEVER}")  # fmt: skip
-            for text in overrides:
-                pattern, _, recipe = str(text).rpartition("=")
-                if recipe.strip() != "bf16" and re.fullmatch(pattern.strip(), path):
-                    raise ExportError(f"precision.overrides entry {text!r} would quantize "
-                                      f"{path}; {_NEVER}")  # fmt: skip
+    """Raises ExportError (one line) when the checkpoint's recipe list would quantize a module
+    that never quantizes (`NEVER_QUANTIZED`), or a `precision.overrides` entry names only such
+    modules (training refuses it: an override applies to linears, `linear_paths`)."""
+    never = [f"layers.{i}.{m}" for i in range(len(hybrid.pattern)) for m in NEVER_QUANTIZED]
+    for path in never:
+        recipe = recipes.get(path, "bf16")
+        if recipe != "bf16":
+            raise ExportError(f"quant_stats.recipes would quantize {path} with {recipe!r}; "
+                              f"{_NEVER}")  # fmt: skip
+    for text in overrides:
+        pattern = re.compile(str(text).rpartition("=")[0].strip())
+        hit = next((path for path in never if pattern.fullmatch(path)), None)
+        if hit and not any(pattern.fullmatch(path) for path in linear_paths):
+            raise ExportError(f"precision.overrides entry {text!r} would quantize {hit}; "
+                              f"{_NEVER}")  # fmt: skip
 
 
 _NEVER = ("Mamba's conv, A_log, D, dt_bias and the norms never quantize (training runs them in "

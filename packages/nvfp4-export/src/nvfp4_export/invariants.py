@@ -131,7 +131,7 @@ def _linear_format(loaded: LoadedExport, source: str) -> str:
         return BF16 if recipe == BF16 else loaded.provenance["format"]
     try:
         return stored_format(weight_format(recipe, source).fmt, loaded.layout)
-    except ExportError:
+    except ExportError:  # an unknown recipe in an edited manifest
         return "?"
 
 

@@ -151,7 +151,7 @@ def linear_recipes(
     listed = (quant_stats or {}).get("recipes")
     if spec.hybrid:
         overrides = (config.get("precision") or {}).get("overrides") or []
-        never_quantized_refusal(spec.hybrid, listed or {}, overrides)
+        never_quantized_refusal(spec.hybrid, listed or {}, overrides, spec.linear_paths())
     if listed is None:
         return _rule_recipes(spec, config.get("precision") or {})
     expected = set(spec.linear_paths())
