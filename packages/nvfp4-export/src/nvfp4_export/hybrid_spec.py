@@ -48,7 +48,7 @@ NEVER_QUANTIZED = ("norm", "mamba.conv1d", "mamba.norm", "mamba.A_log", "mamba.D
 """A hybrid block's modules that are not linears: no recipe may quantize them (training runs the
 conv, the scan and the gated norm in float32; vLLM builds conv1d with `quant_config=None`,
 vllm/model_executor/layers/mamba/mamba_mixer2.py, `MambaMixer2.__init__`)."""
-_MAMBA_DEFAULTS = {
+MAMBA_DEFAULTS = {
     "num_heads": 128, "head_dim": 64, "state_dim": 128, "n_groups": 8, "d_inner": 0,
     "conv_kernel": 4, "conv_bias": True, "proj_bias": False, "chunk_size": 128,
     "time_step_limit": (),
@@ -159,7 +159,7 @@ def _letters(pattern: str | Sequence[str]) -> str:
 
 def _mamba(model: Mapping[str, Any]) -> dict[str, Any]:
     section = model.get("mamba") if isinstance(model.get("mamba"), Mapping) else {}
-    return {key: section.get(key, default) for key, default in _MAMBA_DEFAULTS.items()}
+    return {key: section.get(key, default) for key, default in MAMBA_DEFAULTS.items()}
 
 
 def _refusal(model: Mapping[str, Any], letters: str, mamba: dict) -> str | None:
