@@ -46,7 +46,7 @@ from nvfp4_export.moe_spec import (
     router_tensor,
     shared_gate_tensor,
 )
-from nvfp4_export.rope import ROPE_TYPES, rope_inv_freq, scaled_rope
+from nvfp4_export.rope import ROPE_TYPES, rope_inv_freq, rope_scaling_of, scaled_rope
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -333,7 +333,7 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
             qkv_bias=bool(model.get("qkv_bias", False)),
             o_bias=bool(model.get("o_bias", False)),
             qk_norm=bool(model.get("qk_norm", False)),
-            rope_scaling=_rope_scaling(model.get("rope_scaling")),
+            rope_scaling=rope_scaling_of(model.get("rope_scaling")),
             **moe_fields(model),
             **hybrid,
         )
@@ -371,16 +371,6 @@ def check_architecture(spec: LlamaSpec) -> None:
             "tensors. Fix model.architecture or the bias/norm options in the run's config to "
             "what the model was trained with"
         )
-
-
-def _rope_scaling(section: Any) -> dict[str, Any] | None:
-    if section is None:
-        return None
-    if not isinstance(section, dict):
-        raise ExportError(
-            f"the checkpoint config's model.rope_scaling must be a mapping, got {section!r}"
-        )
-    return dict(section) if section.get("rope_type", "default") != "default" else None
 
 
 def check_params(spec: LlamaSpec, params: Mapping[str, Any]) -> None:
