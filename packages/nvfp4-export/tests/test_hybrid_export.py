@@ -13,7 +13,14 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import HYBRID, HYBRID_EXPORTS, model_config, set_scalar_and_reseal, write_run
+from conftest import (
+    HYBRID,
+    HYBRID_EXPORTS,
+    SMALL_MODEL,
+    model_config,
+    set_scalar_and_reseal,
+    write_run,
+)
 
 import nvfp4_format
 from nvfp4_export import ExportError, export_hf, load_export, read_checkpoint, resolve_checkpoint
@@ -149,12 +156,13 @@ def test_verify_catches_a_changed_ssm_parameter(hybrid_runs, hybrid_exports, tmp
     assert any(f"{L}.0.mixer.A_log differs from the checkpoint's" in p for p in report.problems)
 
 
-def _refusal(tmp_path, match: str, *, layout="modelopt", precision=None, stats="trained",
-             **model) -> None:  # fmt: skip
+def _refusal(tmp_path, match: str, *, precision=None, stats="trained", **model) -> None:
+    """Writes a tiny run of HYBRID changed by `model`; its ModelOpt export is refused in one line
+    matching `match`, and nothing is written."""
     run = write_run(tmp_path / "run", model=model_config(**{**HYBRID, **model}),
                     precision=precision, quant_stats=stats)  # fmt: skip
     with pytest.raises(ExportError, match=match) as err:
-        export_hf(run, tmp_path / "out", layout=layout, weight_only=layout == "weight-only")
+        export_hf(run, tmp_path / "out", layout="modelopt")
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
@@ -182,3 +190,22 @@ def test_modelopt_weight_only_with_mxfp8_and_onnx_are_refused(hybrid_runs, tmp_p
     with pytest.raises(ExportError, match="ONNX export of hybrid"):
         export_onnx(hybrid_runs["nvfp4"], tmp_path / "m.onnx")
     assert not (tmp_path / "wo").exists() and not (tmp_path / "m.onnx").exists()
+
+
+def test_an_all_mxfp8_run_exports_as_mxfp8_and_as_fp8(tmp_path):
+    """Any run's MXFP8 linears (here a Llama trained with the `mxfp8` recipe): compressed-tensors
+    `mxfp8-quantized` as trained, ModelOpt plain `quant_algo: FP8` stand-ins; both verify."""
+    all_mxfp8 = {"recipe": "mxfp8", "bf16_first_layers": 0, "bf16_last_layers": 0}
+    run = write_run(tmp_path / "run", model=model_config(**SMALL_MODEL), precision=all_mxfp8)
+    ct = export_hf(run, tmp_path / "ct", layout="compressed-tensors")
+    mo = export_hf(run, tmp_path / "mo", layout="modelopt")
+    assert ct.plan.fmt == "mxfp8" and mo.plan.fmt == "fp8" and len(mo.standins) == 8
+    qc = load_export(ct.out_dir).config["quantization_config"]
+    assert qc["format"] == "mxfp8-quantized" and qc["config_groups"]["group_0"]["targets"] == [
+        "Linear"
+    ]
+    quant = load_export(mo.out_dir).hf_quant_config["quantization"]
+    assert (quant["quant_algo"], quant["group_size"]) == ("FP8", None)
+    for out in (ct.out_dir, mo.out_dir):
+        report = verify(out, against=run)
+        assert report.ok, render(report)

@@ -174,8 +174,8 @@ MXFP8 = ExportFormat(
 FP8 = ExportFormat(
     name="fp8", label="FP8 (per tensor)", block_size=0, scale_dtype="float32", global_scale=True,
     calibrated_input=True, layouts=MappingProxyType({MODELOPT: eight_bit.MODELOPT_FP8}),
-    ct_args=MappingProxyType({}), ct_format="", ct_input_dynamic=False,
-    modelopt_algos=("FP8", "FP8"), onnx_dq=False, nan_scale_byte=None,
+    ct_args=MappingProxyType({"num_bits": 8, "type": "float"}), ct_format="",
+    ct_input_dynamic=False, modelopt_algos=("FP8", "FP8"), onnx_dq=False, nan_scale_byte=None,
     quantize=lambda w_t, block_shape, rule: eight_bit.quantize_fp8_tensor(w_t),
     dequantize=lambda m: m.packed.astype(np.float32) * m.global_decode_scale,
     quantize_input=eight_bit.fp8_input, scale_values=_e4m3_values, elements_per_byte=1,

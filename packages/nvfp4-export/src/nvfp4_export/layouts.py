@@ -272,7 +272,7 @@ def hf_quant_config(plan: LayoutPlan) -> dict | None:
         return mixed_hf_quant_config(plan, excluded_modules(plan), fused_formats(plan), PRODUCER)
     f = FORMATS[plan.fmt]
     quantization = {"quant_algo": _modelopt_algo(f, plan), "kv_cache_quant_algo": None}
-    quantization |= {"group_size": f.block_size, "exclude_modules": excluded_modules(plan)}
+    quantization |= {"group_size": f.block_size or None, "exclude_modules": excluded_modules(plan)}
     return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
@@ -281,7 +281,7 @@ def _modelopt_config(plan: LayoutPlan) -> dict:
         return mixed_modelopt_config(plan, excluded_modules(plan), fused_formats(plan), PRODUCER)
     f = FORMATS[plan.fmt]
     quant = {"num_bits": f.ct_args["num_bits"], "type": f.ct_args["type"]}
-    quant |= {"group_size": f.block_size, "dynamic": False}
+    quant |= {"group_size": f.block_size, "dynamic": False} if f.block_size else {"dynamic": False}
     group = {"targets": ["Linear"], "weights": quant, "input_activations": None}
     if plan.w4a4:
         group["input_activations"] = dict(quant)
@@ -289,7 +289,7 @@ def _modelopt_config(plan: LayoutPlan) -> dict:
         "quant_method": "modelopt",
         "quant_algo": _modelopt_algo(f, plan),
         "kv_cache_quant_algo": None,
-        "group_size": f.block_size,
+        "group_size": f.block_size or None,
         "exclude_modules": excluded_modules(plan),
         "config_groups": {"group_0": group},
         "ignore": excluded_modules(plan),

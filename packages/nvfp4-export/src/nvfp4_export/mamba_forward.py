@@ -13,7 +13,7 @@ HF's layout (`ForwardWeights`): "conv1d" [C, 1, K], "conv1d_bias" [C], "dt_bias"
 "D" [H], "mixer_norm" [d_inner].
 
 Example:
-    >>> silu(np.float32([0.0, 1.0])).round(4).tolist()
+    >>> [round(float(v), 4) for v in silu(np.float32([0.0, 1.0]))]
     [0.0, 0.7311]
 """
 
