@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nvfp4_export.mixed_precision import MIXED_CT_FORMAT
+
 
 def missing(*modules: str) -> list[str]:
     """The modules of `modules` that are not importable."""
@@ -15,8 +17,6 @@ def missing(*modules: str) -> list[str]:
 
 MOE_KEYS = ("num_experts", "num_local_experts")
 """config.json keys that mark a Mixture-of-Experts class."""
-MIXED_CT_FORMAT = "mixed-precision"
-"""The top-level compressed-tensors `format` of an export with several formats."""
 
 
 def transformers_logits(export_dir: Path, tokens_BxL: np.ndarray) -> np.ndarray:
