@@ -24,12 +24,16 @@ from nvfp4_export.policy import linear_recipes
 from nvfp4_train.config.loader import to_dict
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.model.config import ARCHITECTURE_OPTIONS as TRAIN_ARCHITECTURES
+from nvfp4_train.model.config import ARCHITECTURES as TRAINED
 from nvfp4_train.precision.policy import default_bf16_layers as train_default
 from nvfp4_train.precision.policy import export_recipe_names
 
 
 def test_export_checks_the_architectures_training_allows():
-    assert EXPORT_ARCHITECTURES == TRAIN_ARCHITECTURES
+    # training's `_check_architecture` gives an architecture missing from its table Mistral's
+    # options (the hybrid nemotron_h: no biases, no q/k norms); export lists it explicitly
+    trained = {a: TRAIN_ARCHITECTURES.get(a, TRAIN_ARCHITECTURES["mistral"]) for a in TRAINED}
+    assert trained == EXPORT_ARCHITECTURES
 
 
 def test_the_default_bf16_blocks_agree_at_every_depth():
@@ -115,6 +119,36 @@ def test_export_rederives_an_moe_models_linears_and_recipes(moe):
         k: np.broadcast_to(np.float32(0), v) for k, v in shapes.items()
     }  # unscanned: 4 blocks
     spec = spec_from_config(config, params)
+    assert spec.linear_paths() == linear_paths(cfg.model)
+    recorded = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
+    assert linear_recipes(spec, config, None) == recorded
+
+
+def test_export_reads_a_hybrid_model_as_training_builds_it():
+    import dataclasses
+
+    import jax
+
+    from nvfp4_export.hybrid_spec import MAMBA_DEFAULTS
+    from nvfp4_export.model_spec import spec_from_config
+    from nvfp4_train.model.blocks.mamba_config import MambaConfig
+    from nvfp4_train.model.config import linear_paths
+    from nvfp4_train.training.resume import abstract_state
+
+    trained_defaults = dataclasses.asdict(MambaConfig())
+    assert {k: trained_defaults[k] for k in MAMBA_DEFAULTS} == MAMBA_DEFAULTS
+    mamba = {"num_heads": 16, "head_dim": 4, "state_dim": 8, "n_groups": 2, "chunk_size": 8}
+    model = {"vocab_size": 256, "d_model": 32, "num_layers": 4, "num_heads": 2, "num_kv_heads": 1,
+             "mlp_dim": 32, "architecture": "nemotron_h", "pattern": "M*-M", "rope": False,
+             "mlp_activation": "relu2", "mamba": mamba}  # fmt: skip
+    cfg = config_from_dict({"model": model, "train": {"steps": 10}})
+    config = to_dict(cfg)
+    _, abstract = abstract_state(cfg)
+    params = {
+        ".".join(str(k.key) for k in path): np.broadcast_to(np.float32(0), leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract.params)[0]
+    }
+    spec = spec_from_config(config, params)  # checks every parameter's name and shape
     assert spec.linear_paths() == linear_paths(cfg.model)
     recorded = export_recipe_names(cfg.model, cfg.precision, cfg.train.steps)
     assert linear_recipes(spec, config, None) == recorded

@@ -4,21 +4,25 @@ nvfp4-export never imports nvfp4-ops (it reads recipe names from checkpoints), s
 what each recipe preset does to the forward weight is a copy; this test is what keeps the two in
 step: every preset of `nvfp4_ops.RECIPES` is either listed with the same weight format, block
 shape, block scale rule and input quantization (and its outer scale), or refused by name (FP8),
-and export lists no recipe ops lacks.
+and export lists no recipe ops lacks. MXFP8 (Nemotron 3 Super's Mamba out_proj) is exported as
+trained: export's quantization of a weight equals the training ops' bit for bit.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import nvfp4_ops
 from nvfp4_export import ExportError
 from nvfp4_export.formats import BF16, FORMATS
+from nvfp4_export.linears import dequantize_linear, export_linear
+from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.policy import RECIPE_WEIGHT_FORMATS, weight_format
 
-NOT_EXPORTED = {"fp8", "mxfp8"}
-"""Training presets with no FP4 export (refused with a message naming them; MXFP8 layouts, as
-Nemotron 3 Super's mixed-precision export needs, are issue 49)."""
+NOT_EXPORTED = {"fp8"}
+"""Training presets with no export (refused with a message naming them): FP8 per-tensor current
+scaling. (The per-tensor FP8 export writes is a stand-in for MXFP8, not this recipe.)"""
 
 
 def test_export_lists_exactly_the_training_presets_it_can_export():
@@ -48,3 +52,18 @@ def test_a_recipe_without_an_fp4_export_is_refused_by_name(name):
     assert name in nvfp4_ops.RECIPES
     with pytest.raises(ExportError, match=name):
         weight_format(name, "layers.1.attn.qkv")
+
+
+def test_export_quantizes_an_mxfp8_weight_as_the_training_ops_do():
+    import jax.numpy as jnp
+
+    spec = LlamaSpec(257, 32, 1, 2, 1, 16, 32)
+    kernel_IxO = (np.random.default_rng(0).standard_normal((32, 64)) * 0.05).astype(np.float32)
+    kernel_IxO[3, 5] = 7.0  # one block far above the others
+    ours = np.concatenate(
+        [dequantize_linear(m) for m in export_linear(spec, "layers.0.attn.qkv", kernel_IxO,
+                                                    "mxfp8", None)]
+    )  # fmt: skip
+    w_t = jnp.asarray(kernel_IxO).astype(jnp.bfloat16).T  # the forward's W^T, compute dtype
+    theirs = np.asarray(nvfp4_ops.fake_quantize(w_t, "mxfp8", (1, 32)), np.float32)
+    assert ours.tobytes() == theirs.tobytes()

@@ -35,6 +35,8 @@ def model_config(**overrides) -> dict:
 
 def random_params(model: dict, seed: int = 0) -> dict:
     """A params tree of the training model's form (float32; norms near 1, like trained ones)."""
+    if model.get("pattern"):
+        return hybrid_params(model, seed)
     rng = np.random.default_rng(seed)
     d, f, v, n = model["d_model"], model["mlp_dim"], model["vocab_size"], model["num_layers"]
     hd = model["head_dim"] or d // model["num_heads"]
@@ -73,6 +75,48 @@ def random_params(model: dict, seed: int = 0) -> dict:
     if not model["tie_embeddings"]:
         params["lm_head"] = {"kernel": w(d, v, std=0.2)}
     return params
+
+
+HYBRID_LINEARS = {"M": ("mamba.in_proj", "mamba.out_proj"), "*": ("attn.qkv", "attn.o"),
+                  "-": ("mlp.up", "mlp.down"), "E": ("mlp.experts.gate_up", "mlp.experts.down")}  # fmt: skip
+"""A hybrid block's quantizable linears by pattern letter (training's names)."""
+
+
+def hybrid_params(model: dict, seed: int = 0) -> dict:
+    """A `nemotron_h` params tree of the training model's form (float32): per block `norm` and
+    one mixer (Mamba-2 with its conv, dt_bias, A_log, D and gated norm; attention; relu2 MLP)."""
+    rng = np.random.default_rng(seed)
+    d, f, v, m = model["d_model"], model["mlp_dim"], model["vocab_size"], model["mamba"]
+    hd = model["head_dim"] or d // model["num_heads"]
+    nh, nkv = model["num_heads"], model["num_kv_heads"]
+    heads, inner = m["num_heads"], m["num_heads"] * m["head_dim"]
+    conv = inner + 2 * m["n_groups"] * m["state_dim"]
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(size=d):
+        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    def block(letter):
+        if letter == "*":
+            return {"attn": {"qkv": {"kernel": w(d, (nh + 2 * nkv) * hd)},
+                             "o": {"kernel": w(nh * hd, d)}}}  # fmt: skip
+        if letter == "-":
+            return {"mlp": {"up": {"kernel": w(d, f)}, "down": {"kernel": w(f, d)}}}
+        if letter == "E":  # the refused MoE block: a placeholder of the Llama-style MoE's form
+            return {"mlp": moe_mlp(model, w)}
+        return {"mamba": {
+            "in_proj": {"kernel": w(d, inner + conv + heads)}, "out_proj": {"kernel": w(inner, d)},
+            "conv1d": {"kernel": w(m.get("conv_kernel", 4), conv, std=0.3), "bias": w(conv, std=0.1)},
+            "dt_bias": np.log(np.expm1(rng.uniform(0.01, 0.1, heads))).astype(np.float32),
+            "A_log": np.log(rng.uniform(1, 16, heads)).astype(np.float32),
+            "D": norm(heads), "norm": {"scale": norm(inner)},
+        }}  # fmt: skip
+
+    layers = {str(i): {"norm": {"scale": norm()}, **block(c)} for i, c in enumerate(model["pattern"])}  # fmt: skip
+    return {"embed": {"embedding": w(v, d, std=0.5)}, "layers": layers,
+            "final_norm": {"scale": norm()}, "lm_head": {"kernel": w(d, v, std=0.2)}}  # fmt: skip
 
 
 def is_moe(model: dict, i: int) -> bool:
@@ -133,7 +177,7 @@ def trained_stats(model: dict) -> dict:
     names = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
     amax: dict = {}
     for i in range(model["num_layers"]):
-        block = names
+        block = HYBRID_LINEARS[model["pattern"][i]] if model.get("pattern") else names
         if is_moe(model, i):
             shared = ("mlp.shared.gate_up", "mlp.shared.down")
             block = MOE_NAMES + shared * bool(model["moe"].get("shared_experts"))
@@ -299,3 +343,64 @@ def set_scalar_and_reseal(export_dir: Path, tensor: str, value: float) -> None:
     files = list(manifest.pop(FILES))
     manifest.pop(SELF_SHA256)
     (export_dir / MANIFEST).write_text(json.dumps(seal(manifest, export_dir, files)))
+
+
+HYBRID = {"architecture": "nemotron_h", "pattern": "M*-M", "num_layers": 4, "d_model": 32,
+          "num_heads": 2, "num_kv_heads": 1, "mlp_dim": 32, "max_seq_len": 16,
+          "mlp_activation": "relu2", "rope": False,
+          "mamba": {"num_heads": 16, "head_dim": 4, "state_dim": 8, "n_groups": 2,
+                    "chunk_size": 8}}  # fmt: skip
+"""The smallest Nemotron-H with every dense block kind: Mamba (d_inner 64, in_proj 176 rows),
+attention, relu2 MLP, and a last Mamba block that both policies keep in BF16."""
+
+
+def super_stats(model: dict) -> dict:
+    """The `quant_stats` nvfp4-train writes for `model` under `precision.preset:
+    nemotron-3-super`: Mamba in_proj and the MLPs NVFP4, out_proj MXFP8, attention BF16, the
+    last round(0.15 L) blocks BF16; an activation amax for every quantized linear."""
+    last = int(0.15 * model["num_layers"] + 0.5)
+    recipes = {}
+    for i, letter in enumerate(model["pattern"]):
+        for name in HYBRID_LINEARS[letter]:
+            bf16 = i >= model["num_layers"] - last or name.startswith("attn.")
+            recipes[f"layers.{i}.{name}"] = "bf16" if bf16 else (
+                "mxfp8" if name == "mamba.out_proj" else "nvfp4")  # fmt: skip
+    amax = trained_stats(model)["activation_amax"]
+    return {"recipes": recipes, "activation_amax": {p: amax[p] for p, r in recipes.items()
+                                                    if r != "bf16"}}  # fmt: skip
+
+
+HYBRID_POLICIES = {
+    "nvfp4": {"recipe": "nvfp4", "bf16_first_layers": 0, "bf16_last_layers": 1},
+    "super": {"recipe": "nvfp4", "preset": "nemotron-3-super"},
+}
+"""The two Nemotron-H runs: every kind in NVFP4 but the last block (the plain NVFP4 layout of
+NVIDIA's Nemotron Nano checkpoints), and Nemotron 3 Super's mixed policy (MIXED_PRECISION)."""
+
+
+@pytest.fixture(scope="session")
+def hybrid_runs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny Nemotron-H run per `HYBRID_POLICIES` entry."""
+    root, model = tmp_path_factory.mktemp("hybrid_runs"), model_config(**HYBRID)
+    stats = {"nvfp4": trained_stats(model), "super": super_stats(model)}
+    return {case: write_run(root / case, model=model, precision=precision,
+                            quant_stats=stats[case])
+            for case, precision in HYBRID_POLICIES.items()}  # fmt: skip
+
+
+HYBRID_EXPORTS = (("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("nvfp4", "bf16"),
+                  ("super", "modelopt"), ("super", "compressed-tensors"))  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def hybrid_exports(hybrid_runs, tmp_path_factory) -> dict:
+    """(case, layout) -> (`ExportResult`, its log lines) of every `HYBRID_EXPORTS` export."""
+    from nvfp4_export import export_hf
+
+    root, out = tmp_path_factory.mktemp("hybrid_exports"), {}
+    for case, layout in HYBRID_EXPORTS:
+        lines: list[str] = []
+        result = export_hf(hybrid_runs[case], root / f"{case}-{layout}", layout=layout,
+                           log=lines.append)  # fmt: skip
+        out[case, layout] = (result, lines)
+    return out

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from nvfp4_export import ExportError, load_export
+from nvfp4_export.eight_bit_formats import LAYOUT_CT_MXFP8, LAYOUT_MODELOPT_FP8
 from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT, FORMATS, LAYOUTS, layout_names
 from nvfp4_export.forward import ForwardLinear
 from nvfp4_export.policy import RECIPE_WEIGHT_FORMATS
@@ -29,7 +30,8 @@ def test_every_recipe_weight_format_is_in_the_table():
 
 
 def test_the_table_covers_every_layout_nvfp4_format_detects():
-    assert set(FORMAT_OF_LAYOUT) == set(LAYOUT_NAMES)
+    # nvfp4_format detects the FP4 layouts; the 8-bit ones are export's (eight_bit_formats)
+    assert set(FORMAT_OF_LAYOUT) == set(LAYOUT_NAMES) | {LAYOUT_CT_MXFP8, LAYOUT_MODELOPT_FP8}
     assert FORMAT_OF_LAYOUT[LAYOUT_MODELOPT_NVFP4] == FORMAT_OF_LAYOUT[LAYOUT_CT_NVFP4] == "nvfp4"
     assert FORMAT_OF_LAYOUT[LAYOUT_CT_MXFP4] == "mxfp4"
     for f in FORMATS.values():

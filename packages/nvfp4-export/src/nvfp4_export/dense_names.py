@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class DenseTensor:
@@ -35,6 +37,10 @@ class DenseTensor:
             hold its transpose (lm_head: kernel [D, V], HF and forward [V, D]).
         layer: the layer a placed per-layer entry is in; None for a table entry or a
             model-wide tensor.
+        conv_kernel: the training parameter is a depthwise conv kernel [K, C] and the HF tensor
+            and `ForwardWeights` hold PyTorch's `Conv1d.weight` [C, 1, K] (`stored_value`).
+        dtype: the dtype the export stores it in: "bfloat16", or "float32" for the Mamba
+            mixer's conv and SSM parameters (training computes with them in float32).
     """
 
     key: str
@@ -45,6 +51,8 @@ class DenseTensor:
     fused_linear: str | None = None
     transposed: bool = False
     layer: int | None = None
+    conv_kernel: bool = False
+    dtype: str = "bfloat16"
 
     def in_layer(self, i: int) -> DenseTensor:
         """This per-layer entry with its names placed in layer `i`."""
@@ -80,3 +88,17 @@ LAYER_TENSORS = (
 def layer_tensor(key: str, i: int) -> DenseTensor:
     """The per-layer entry of `ForwardWeights` layer key `key` ("attn_norm", ...) in layer `i`."""
     return {t.key: t for t in LAYER_TENSORS}[key].in_layer(i)
+
+
+def stored_value(t: DenseTensor, param: np.ndarray) -> np.ndarray:
+    """Training parameter `param` of entry `t` in the layout HF and `ForwardWeights` hold it:
+    transposed (lm_head [V, D]), a conv kernel [K, C] as `Conv1d.weight` [C, 1, K], else as is.
+
+    Example:
+        >>> t = DenseTensor("conv1d", "k", "w", conv_kernel=True)
+        >>> stored_value(t, np.arange(6.0).reshape(3, 2)).tolist()
+        [[[0.0, 2.0, 4.0]], [[1.0, 3.0, 5.0]]]
+    """
+    if t.conv_kernel:
+        return np.ascontiguousarray(np.asarray(param).T[:, None, :])
+    return param.T if t.transposed else param

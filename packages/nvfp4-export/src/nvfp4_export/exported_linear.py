@@ -22,15 +22,19 @@ class ExportedLinear:
         source: the training linear it comes from, e.g. `layers.0.attn.qkv`.
         fmt: a `formats.FORMATS` name ("nvfp4", "mxfp4") or "bf16".
         weight: bfloat16 [out, in] (fmt "bf16" only).
-        packed: uint8 [out, in/2] E2M1 codes, even `in` index in the low nibble (FP4 formats).
-        scales: NVFP4: float8_e4m3fn [out, in/16] block decode scales; MXFP4: uint8 [out, in/32]
-            E8M0 exponents (127 = 2^0).
+        packed: uint8 [out, in/2] E2M1 codes, even `in` index in the low nibble (FP4 formats);
+            float8_e4m3fn [out, in] elements (the 8-bit formats MXFP8 and FP8).
+        scales: NVFP4: float8_e4m3fn [out, in/16] block decode scales; MXFP4 / MXFP8: uint8
+            [out, in/32] E8M0 exponents (127 = 2^0); FP8 per tensor: None.
         weight_amax: NVFP4 only: float32 max |W| over the whole fused group (sets the global scale).
         input_amax: max |x| at the linear's input (W4A4 activation scale), or None.
         stored_decode_scale: NVFP4 read back from a ModelOpt file: the stored `weight_scale_2`
-            (used as is instead of recomputing it from `weight_amax`).
+            (used as is instead of recomputing it from `weight_amax`); FP8 per tensor: always
+            its decode scale amax / 448.
         block_scale_rule: NVFP4: "max", or "4over6" when the recipe trained with Four Over Six
             (its global scale is amax / (6 * 256); codes and scales are standard NVFP4).
+        standin_error: a stand-in for the trained format (FP8 per tensor for MXFP8 in ModelOpt):
+            max |stored - trained| / max |trained| of its training linear; None otherwise.
     """
 
     name: str
@@ -43,6 +47,7 @@ class ExportedLinear:
     input_amax: float | None = None
     stored_decode_scale: np.float32 | None = None
     block_scale_rule: str = "max"
+    standin_error: float | None = None
 
     @property
     def global_decode_scale(self) -> np.float32:
@@ -64,4 +69,5 @@ class ExportedLinear:
         """Logical [out, in]."""
         if self.weight is not None:
             return tuple(self.weight.shape)
-        return (self.packed.shape[0], self.packed.shape[1] * 2)
+        per_byte = 2 if self.packed.dtype == np.uint8 else 1  # packed FP4, or 8-bit elements
+        return (self.packed.shape[0], self.packed.shape[1] * per_byte)

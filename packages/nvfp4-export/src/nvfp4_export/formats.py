@@ -6,7 +6,9 @@ tensor names from `nvfp4_format.layout_names`, the compressed-tensors scheme, th
 `quant_algo`, the ONNX scale table) is an entry of this table, and the other modules look it up
 instead of branching on the format's name. Adding a format means one entry here (and the
 training recipes that produce it in `policy.RECIPE_WEIGHT_FORMATS`). "bf16" (`BF16`) is not a
-format of this table: it means "not quantized".
+format of this table: it means "not quantized". The 8-bit formats (MXFP8 as trained, FP8 per
+tensor as its stand-in where a layout lacks MXFP8) are `eight_bit_formats`'; an export holds one
+FP4 format, possibly with 8-bit linears beside it (`MIXED`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import MappingProxyType
 import ml_dtypes
 import numpy as np
 
+import nvfp4_export.eight_bit_formats as eight_bit
 import nvfp4_format
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
@@ -31,6 +34,8 @@ BF16_LAYOUT = "bf16"
 """The unquantized layout: every linear's float32 master weight rounded to bfloat16."""
 LAYOUTS = (MODELOPT, COMPRESSED_TENSORS, BF16_LAYOUT)
 """The Hugging Face layouts (`export_hf(layout=...)`)."""
+MIXED = "mixed"
+"""The `LayoutPlan.fmt` of an export whose quantized linears have several formats."""
 MXFP4_SCALE_RULE = "ocp"
 """The rule training's MXFP4 recipe uses (X = 2^(floor(log2 amax_block) - 2))."""
 
@@ -63,6 +68,9 @@ class ExportFormat:
         dequantize: `ExportedLinear` -> float32 [out, in].
         quantize_input: (x float32 [N, K], fixed amax or None) -> x quantized and dequantized.
         scale_values: () -> float32 [256], the value of each block-scale byte.
+        standins: HF layout -> the format written instead in a layout that lacks this one
+            (MXFP8 -> FP8 per tensor in ModelOpt).
+        elements_per_byte: 2 for the packed FP4 formats, 1 for the 8-bit ones.
     """
 
     name: str
@@ -82,6 +90,8 @@ class ExportFormat:
     dequantize: Callable[[ExportedLinear], np.ndarray]
     quantize_input: Callable[[np.ndarray, np.float32 | None], np.ndarray]
     scale_values: Callable[[], np.ndarray]
+    standins: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    elements_per_byte: int = 2
 
 
 def _quantize_nvfp4(
@@ -130,8 +140,8 @@ def _e8m0_values() -> np.ndarray:
     return table
 
 
-def _ct_args(strategy: str, group_size: int) -> Mapping[str, object]:
-    args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": strategy}
+def _ct_args(strategy: str, group_size: int, bits: int = 4) -> Mapping[str, object]:
+    args = {"num_bits": bits, "type": "float", "symmetric": True, "strategy": strategy}
     return MappingProxyType(args | {"group_size": group_size, "observer": "minmax"})
 
 
@@ -152,13 +162,57 @@ MXFP4 = ExportFormat(
     dequantize=_dequantize_mxfp4, quantize_input=_mxfp4_input, scale_values=_e8m0_values,
 )  # fmt: skip
 
-FORMATS: Mapping[str, ExportFormat] = MappingProxyType({f.name: f for f in (NVFP4, MXFP4)})
+MXFP8 = ExportFormat(
+    name="mxfp8", label="MXFP8", block_size=32, scale_dtype="uint8", global_scale=False,
+    calibrated_input=False, layouts=MappingProxyType({COMPRESSED_TENSORS: eight_bit.CT_MXFP8}),
+    ct_args=_ct_args("group", 32, bits=8), ct_format="mxfp8-quantized", ct_input_dynamic=True,
+    modelopt_algos=None, onnx_dq=False, nan_scale_byte=255, quantize=eight_bit.quantize_mxfp8,
+    dequantize=lambda m: eight_bit.dequantize_mxfp8(m.packed, m.scales),
+    quantize_input=eight_bit.mxfp8_input, scale_values=_e8m0_values,
+    standins=MappingProxyType({MODELOPT: "fp8"}), elements_per_byte=1,
+)  # fmt: skip
+FP8 = ExportFormat(
+    name="fp8", label="FP8 (per tensor)", block_size=0, scale_dtype="float32", global_scale=True,
+    calibrated_input=True, layouts=MappingProxyType({MODELOPT: eight_bit.MODELOPT_FP8}),
+    ct_args=MappingProxyType({"num_bits": 8, "type": "float"}), ct_format="",
+    ct_input_dynamic=False, modelopt_algos=("FP8", "FP8"), onnx_dq=False, nan_scale_byte=None,
+    quantize=lambda w_t, block_shape, rule: eight_bit.quantize_fp8_tensor(w_t),
+    dequantize=lambda m: m.packed.astype(np.float32) * m.global_decode_scale,
+    quantize_input=eight_bit.fp8_input, scale_values=_e4m3_values, elements_per_byte=1,
+)  # fmt: skip
+"""FP8 per tensor: no recipe trains it; it stands in for MXFP8 in the ModelOpt layout."""
+
+FORMATS: Mapping[str, ExportFormat] = MappingProxyType(
+    {f.name: f for f in (NVFP4, MXFP4, MXFP8, FP8)}
+)
+FP4_FORMATS = (NVFP4.name, MXFP4.name)
+"""The packed 4-bit formats: one export holds at most one of them."""
 """Format name -> `ExportFormat`: every quantized format the export writes."""
 
 FORMAT_OF_LAYOUT: Mapping[str, str] = MappingProxyType(
     {names.layout: f.name for f in FORMATS.values() for names in f.layouts.values()}
 )
 """`nvfp4_format.layout_detection` layout name ("modelopt-nvfp4", ...) -> format name."""
+
+
+LAYOUT_NAMES: Mapping[str, LayoutNames] = MappingProxyType(
+    {names.layout: names for f in FORMATS.values() for names in f.layouts.values()}
+)
+"""Layout name ("modelopt-nvfp4", "modelopt-fp8", ...) -> its tensor names."""
+
+
+def stored_format(fmt: str, layout: str) -> str:
+    """The format a linear trained in `fmt` is stored with in `layout`: its stand-in there
+    (MXFP8 -> "fp8" in ModelOpt), "bf16" for every linear of `BF16_LAYOUT`, else `fmt` itself
+    (`layouts.plan_layout` refuses a format its layout cannot hold).
+
+    Example:
+        >>> stored_format("mxfp8", "modelopt"), stored_format("mxfp8", "compressed-tensors")
+        ('fp8', 'mxfp8')
+    """
+    if layout == BF16_LAYOUT or fmt == BF16:
+        return BF16
+    return FORMATS[fmt].standins.get(layout, fmt)
 
 
 def layout_names(fmt: str, layout: str) -> LayoutNames:

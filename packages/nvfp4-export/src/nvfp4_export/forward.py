@@ -5,7 +5,9 @@ embedding lookup, RMSNorm output, each linear's output, RoPE output, attention p
 output, SwiGLU product and each residual sum. Quantized linears use the exported (dequantized)
 weights; their input is either left as is (weight-only, what a W4A16 server computes), quantized
 per call with its own amax (what training computes: "dynamic"), or quantized with a fixed amax
-(the exported input scale: "static"). Logits are float32 [B, L, V].
+(the exported input scale: "static"). Logits are float32 [B, L, V]. A hybrid (`nemotron_h`)
+model's blocks are `x + mixer(norm(x))`: attention without RoPE, the squared-ReLU MLP or the
+Mamba-2 mixer (`mamba_forward`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_export.formats import FORMATS
+from nvfp4_export.mamba_forward import mamba_mixer
 from nvfp4_export.model_spec import LlamaSpec
 
 ACTIVATION_MODES = ("none", "dynamic", "static")
@@ -32,11 +35,14 @@ class ForwardLinear:
             "none".
         act_amax: the fixed input amax for "static" activations (formats with
             `calibrated_input`, NVFP4), or None.
+        served_act_fmt: the input format a server applies with the static scale when it is
+            not the trained one (an FP8 stand-in of an MXFP8 linear: "fp8"), or None.
     """
 
     w_OxI: np.ndarray
     act_fmt: str = "none"
     act_amax: float | None = None
+    served_act_fmt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,8 @@ class ForwardWeights:
 
     `layers[i]` maps "attn_norm", "mlp_norm" to [D] scales and "qkv", "o", "gate_up", "down" to
     `ForwardLinear`s; per the spec also "qkv_bias" [(H + 2G) * K], "o_bias" [D] and "q_norm",
-    "k_norm" [K]. An MoE block has instead of "gate_up" / "down": "router" [E, D],
+    "k_norm" [K]. A hybrid block has "norm" [D] and its mixer's: "qkv", "o"; "up", "down"; or
+    "in_proj", "out_proj" and the Mamba tensors (`mamba_forward`). An MoE block has instead of "gate_up" / "down": "router" [E, D],
     "experts_gate_up" and "experts_down" (a `ForwardLinear` per expert), and with a shared expert
     "shared_gate_up", "shared_down" and optionally "shared_gate" [1, D].
     """
@@ -72,7 +79,7 @@ def _rms_norm(x, scale, eps, rnd):
 def _quantize_input(x_NxK: np.ndarray, lin: ForwardLinear, mode: str) -> np.ndarray:
     if mode == "none" or lin.act_fmt == "none":
         return x_NxK
-    f = FORMATS[lin.act_fmt]
+    f = FORMATS[lin.served_act_fmt if mode == "static" and lin.served_act_fmt else lin.act_fmt]
     amax = None
     if mode == "static" and f.calibrated_input:
         if lin.act_amax is None:
@@ -122,11 +129,10 @@ def _attention(q_BxLxHxD, k_BxLxGxD, v_BxLxGxD, rnd):
     return rnd(out.reshape(b, l, h, d))
 
 
-def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, tables):
-    s = w.spec
+def _self_attention(h, layer: dict, i: int, s: LlamaSpec, mode, rnd, amax_out, tables):
+    """The attention mixer of block `i` on normed `h`; `tables` (cos, sin) or None: no RoPE."""
     nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
-    b, l, _ = x.shape
-    h = _rms_norm(x, layer["attn_norm"], s.rms_norm_eps, rnd)
+    b, l, _ = h.shape
     qkv = _linear(h, layer["qkv"], mode, rnd, amax_out, f"layers.{i}.attn.qkv",
                   layer.get("qkv_bias"))  # fmt: skip
     q, k, v = np.split(qkv, [nh * hd, (nh + nkv) * hd], axis=-1)
@@ -134,12 +140,37 @@ def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, table
     if s.qk_norm:
         q = _rms_norm(q, layer["q_norm"], s.rms_norm_eps, rnd)
         k = _rms_norm(k, layer["k_norm"], s.rms_norm_eps, rnd)
-    cos, sin = tables
-    q = _rope(q, cos[:l], sin[:l], rnd)
-    k = _rope(k, cos[:l], sin[:l], rnd)
+    if tables is not None:
+        cos, sin = tables
+        q, k = _rope(q, cos[:l], sin[:l], rnd), _rope(k, cos[:l], sin[:l], rnd)
     att = _attention(q, k, v.reshape(b, l, nkv, hd), rnd).reshape(b, l, nh * hd)
-    o = _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o", layer.get("o_bias"))
-    x = rnd(x + o)
+    return _linear(att, layer["o"], mode, rnd, amax_out, f"layers.{i}.attn.o", layer.get("o_bias"))
+
+
+def _hybrid_block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, tables):
+    """x + mixer(norm(x)) of hybrid block `i` (training's `MixerBlock`)."""
+    s = w.spec
+    h = _rms_norm(x, layer["norm"], s.rms_norm_eps, rnd)
+    kind = s.hybrid.kind(i)
+    if kind == "attention":
+        return rnd(x + _self_attention(h, layer, i, s, mode, rnd, amax_out, None))
+    prefix = f"layers.{i}.{'mamba' if kind == 'mamba' else 'mlp'}."
+
+    def linear(v, name):
+        return _linear(v, layer[name], mode, rnd, amax_out, prefix + name)
+
+    if kind == "mamba":
+        return rnd(x + mamba_mixer(h, layer, s, rnd, linear))
+    r = np.maximum(linear(h, "up"), np.float32(0))  # squared ReLU, float32
+    return rnd(x + linear(rnd(r * r), "down"))
+
+
+def _block(x, layer: dict, i: int, w: ForwardWeights, mode, rnd, amax_out, tables):
+    if w.spec.hybrid:
+        return _hybrid_block(x, layer, i, w, mode, rnd, amax_out, tables)
+    s = w.spec
+    h = _rms_norm(x, layer["attn_norm"], s.rms_norm_eps, rnd)
+    x = rnd(x + _self_attention(h, layer, i, s, mode, rnd, amax_out, tables))
     h = _rms_norm(x, layer["mlp_norm"], s.rms_norm_eps, rnd)
     if "router" in layer:
         return rnd(x + _moe(h, layer, i, s, mode, rnd, amax_out))

@@ -32,10 +32,12 @@ from nvfp4_export.hf_files import (
     hf_config,
     special_token_ids,
 )
+from nvfp4_export.hybrid_names import conv1d_modules
 from nvfp4_export.input_scales import (
     InputAmax,
     input_amax,
     refuse_per_token_w4a4,
+    refuse_unscaled_standins,
     weight_only_fallback,
 )
 from nvfp4_export.json_files import write_json
@@ -48,7 +50,7 @@ from nvfp4_export.layouts import (
     refuse_bf16_options,
 )
 from nvfp4_export.linears import layout_linear, planned_linear
-from nvfp4_export.manifest import CHECKPOINT_CHECKED, seal
+from nvfp4_export.manifest import CHECKPOINT_CHECKED, STANDINS, seal
 from nvfp4_export.model_spec import (
     LlamaSpec,
     dense_entries,
@@ -80,6 +82,8 @@ class ExportResult:
         total_bytes: bytes of the weight files.
         seconds: wall time of the export.
         notes: messages for the user (e.g. why the export is weight-only).
+        standins: training linear -> the weight error its stand-in adds (an MXFP8 linear stored
+            as FP8 per tensor in ModelOpt: max |FP8 - MXFP8| / max |MXFP8|); empty for none.
     """
 
     out_dir: Path
@@ -92,6 +96,7 @@ class ExportResult:
     seconds: float
     notes: tuple[str, ...]
     calibration: dict[str, Any] | None = None
+    standins: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, inputs, plan, servers, checked) -> dict:
@@ -102,6 +107,7 @@ def _provenance(ckpt: Checkpoint, spec: LlamaSpec, recipes, inputs, plan, server
         "step": ckpt.ref.step,
         "layout": plan.layout,
         "format": plan.fmt,
+        "formats": list(plan.formats),
         "w4a4": plan.w4a4,
         "excluded": list(plan.excluded),
         "spec": dataclasses.asdict(spec),
@@ -140,14 +146,15 @@ def _weight_slots(spec: LlamaSpec, shapes, planned: list[ExportedLinear], plan) 
     return slots
 
 
-def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progress) -> None:
+def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progress) -> dict:
     """Reads each checkpoint tensor once (a reader thread runs ahead within `read_ahead`'s byte
-    budget), converts it and writes its HF tensors."""
+    budget), converts it and writes its HF tensors; returns the stand-ins' added errors
+    (`ExportResult.standins`)."""
     dense = {t.param: t for t in dense_entries(spec)}
     kernels = {f"{path}.kernel": path for path in spec.linear_paths()}
     names = [*dense, *kernels]
     total = sum(ckpt.params.nbytes(n) for n in names)
-    done = 0
+    done, standins = 0, {}
     for k, (name, value) in enumerate(ckpt.params.read_ahead(names), start=1):
         if name in dense:
             tensors = dense_parts(spec, dense[name], value)
@@ -155,16 +162,21 @@ def _stream_weights(writer: ShardWriter, ckpt, spec, recipes, amax, plan, progre
             path = kernels[name]
             linears = layout_linear(spec, path, value, recipes[path], amax.get(path), plan.layout)
             tensors = {n: a for m in linears for n, a in linear_tensors(m, plan).items()}
+            errors = [m.standin_error for m in linears if m.standin_error is not None]
+            standins |= {path: errors[0]} if errors else {}
         for tensor_name, array in tensors.items():
             writer.write(tensor_name, array)
         done += ckpt.params.nbytes(name)
         del value, tensors
         progress(ExportProgress(k, len(names), done, total))
+    return standins
 
 
-def _write_dir(out, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes) -> list[str]:
+def _write_dir(out, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes):
+    """Writes every file of the export into `out`; returns (files, stand-ins' errors)."""
     with ShardWriter(out, slots, max_shard_bytes) as writer:
-        stream(writer)
+        standins = stream(writer)
+    provenance = {**provenance, STANDINS: standins}
     files = list(writer.files)
     bos, eos = special_token_ids(ckpt.tokenizer_dir)
     config = hf_config(spec, eos_token_id=eos, bos_token_id=bos)
@@ -179,7 +191,7 @@ def _write_dir(out, ckpt, spec, slots, stream, plan, provenance, max_shard_bytes
         files.append(HF_QUANT_CONFIG_FILE)
     files += copy_tokenizer(ckpt.tokenizer_dir, out)
     write_json(out / PROVENANCE_FILE, seal(provenance, out, files))  # last: it hashes the others
-    return files + [PROVENANCE_FILE]
+    return files + [PROVENANCE_FILE], standins
 
 
 def export_hf(
@@ -237,8 +249,8 @@ def export_hf(
         checkpoint, out_dir, layout, weight_only, step, overwrite, calibrate_n, calibration_text,
         servers, allow_dropped_tensors, integrity_check, allow_uncalibrated_experts, log,
     )  # fmt: skip
-    files = _write_export(job, overwrite, max_shard_bytes, progress)
-    return _finish(job, files, start, log)
+    files, standins = _write_export(job, overwrite, max_shard_bytes, progress)
+    return _finish(job, files, start, log, standins)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +318,7 @@ def _prepare_export(
         spec, ckpt.params.shapes, stored, inputs.amax, layout, weight_only
     )
     refuse_per_token_w4a4(plan, stored)
+    refuse_unscaled_standins(plan)
     notes = ckpt.notes + inputs.notes + weight_only_fallback(plan, weight_only)  # before writing
     targets, dropped = check_servers(spec, plan, servers, allow_dropped=allow_dropped_tensors)
     notes += dropped
@@ -324,20 +337,22 @@ def _plan_linears(
     weight_only: bool,
 ) -> tuple[list[ExportedLinear], LayoutPlan]:
     """Every exported linear (shapes and formats, nothing quantized yet) and the layout plan; the
-    MoE routers stay BF16."""
+    MoE routers stay BF16 and the Mamba convs are listed as excluded."""
     planned: list[ExportedLinear] = []
     for path in spec.linear_paths():
         in_features = shapes[f"{path}.kernel"][-2]
-        planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path))
-    routers = tuple(t.hf_name.removesuffix(".weight") for i in spec.moe_layers()
-                    for t in moe_dense_entries(spec, i))  # fmt: skip
-    return planned, plan_layout(layout, planned, weight_only=weight_only, always_bf16=routers)
+        planned += planned_linear(spec, path, in_features, recipes[path], amax.get(path), layout)
+    never = tuple(t.hf_name.removesuffix(".weight") for i in spec.moe_layers()
+                  for t in moe_dense_entries(spec, i))  # fmt: skip
+    never += conv1d_modules(spec) if spec.hybrid else ()
+    return planned, plan_layout(layout, planned, weight_only=weight_only, always_bf16=never)
 
 
 def _write_export(
     job: _ExportJob, overwrite: bool, max_shard_bytes: int, progress: Callable
-) -> list[str]:
-    """Writes the directory beside `job.out_dir` and renames it into place; returns its files."""
+) -> tuple[list[str], dict[str, float]]:
+    """Writes the directory beside `job.out_dir` and renames it into place; returns its files
+    and the stand-ins' added errors."""
     slots = _weight_slots(job.spec, job.ckpt.params.shapes, job.planned, job.plan)
     stream = functools.partial(
         _stream_weights, ckpt=job.ckpt, spec=job.spec, recipes=job.recipes,
@@ -349,14 +364,18 @@ def _write_export(
         )
 
 
-def _finish(job: _ExportJob, files: list[str], start: float, log) -> ExportResult:
-    """Logs the notes as warnings and says what was written (`ExportResult`)."""
+def _finish(job: _ExportJob, files: list[str], start: float, log, standins) -> ExportResult:
+    """Logs the notes as warnings, each stand-in's added error, and says what was written."""
     out_dir, plan, inputs = job.out_dir, job.plan, job.inputs
     total = sum((out_dir / f).stat().st_size for f in files if f.endswith(".safetensors"))
     for note in job.notes:
         log("warning: " + note)
+    for path, error in standins.items():
+        log(f"note: {path} (trained MXFP8) is stored as FP8 per tensor, the nearest format the "
+            f"ModelOpt readers load: added weight error max |FP8 - MXFP8| / max |MXFP8| = "
+            f"{error:.3g} (--layout compressed-tensors stores it as trained)")  # fmt: skip
     return ExportResult(
         out_dir, job.ckpt.ref.step, plan, inputs.source if plan.w4a4 else None, job.targets,
         tuple(files), total, time.perf_counter() - start, job.notes,
-        inputs.calibration if plan.w4a4 else None,
+        inputs.calibration if plan.w4a4 else None, dict(standins),
     )  # fmt: skip

@@ -14,7 +14,8 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_export.bfloat16 import to_bfloat16, transposed
-from nvfp4_export.dense_names import DenseTensor
+from nvfp4_export.dense_names import DenseTensor, stored_value
+from nvfp4_export.hybrid_names import hybrid_config
 from nvfp4_export.json_files import write_json
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.model_spec import ARCHITECTURES, LlamaSpec, dense_entries
@@ -31,7 +32,10 @@ def hf_config(spec: LlamaSpec, *, eos_token_id: int | None, bos_token_id: int | 
     """config.json for the spec's architecture (`LlamaForCausalLM`, `Qwen3ForCausalLM`, ...; no
     quantization entry, the layout adds it). RoPE is written as `rope_theta` + `rope_scaling`,
     the spelling vLLM, TensorRT-LLM, SGLang and transformers (4.x and 5.x) all read; sliding
-    windows are off, as training attends to the whole sequence."""
+    windows are off, as training attends to the whole sequence. A hybrid spec's is
+    `NemotronHForCausalLM`'s (`hybrid_names.hybrid_config`)."""
+    if spec.hybrid:
+        return hybrid_config(spec, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
     config = {
         "architectures": [ARCHITECTURES[spec.architecture]],
         "model_type": spec.architecture,
@@ -110,9 +114,9 @@ def dense_hf_names(spec: LlamaSpec, t: DenseTensor) -> list[str]:
 
 
 def _as_stored(spec: LlamaSpec, t: DenseTensor, param: np.ndarray) -> dict[str, np.ndarray]:
-    """Training parameter `param` of placed entry `t` under its HF names, as stored: transposed
-    when `t.transposed`, cut into each HF module's rows when `t.fused_linear`."""
-    value = param.T if t.transposed else param
+    """Training parameter `param` of placed entry `t` under its HF names, as stored: in HF's
+    layout (`dense_names.stored_value`), cut into each HF module's rows when `t.fused_linear`."""
+    value = stored_value(t, param)
     if t.fused_linear is None:
         return {t.hf_name: value}
     rows = [n for _, n in hf_modules(spec, t.fused_linear)]
@@ -127,15 +131,19 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def dense_parts(spec: LlamaSpec, t: DenseTensor, param: np.ndarray) -> dict[str, np.ndarray]:
-    """Placed entry `t` of training parameter `param` in BF16 under its HF names."""
-    return {name: _bf16(value) for name, value in _as_stored(spec, t, param).items()}
+    """Placed entry `t` of training parameter `param` under its HF names, in BF16 (or float32
+    for an entry of `dtype` "float32": the Mamba mixer's conv and SSM parameters)."""
+    parts = _as_stored(spec, t, param).items()
+    if t.dtype == "float32":
+        return {name: np.ascontiguousarray(value, np.float32) for name, value in parts}
+    return {name: _bf16(value) for name, value in parts}
 
 
 def dense_slots(spec: LlamaSpec, shapes: Mapping[str, tuple[int, ...]]) -> list[TensorSlot]:
     """The (name, dtype, shape) of every tensor `dense_tensors` gives, from parameter shapes."""
-    bf16 = np.dtype(ml_dtypes.bfloat16)
+    dtypes = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
     return [
-        TensorSlot(name, bf16, tuple(value.shape))
+        TensorSlot(name, dtypes[t.dtype], tuple(value.shape))
         for t in dense_entries(spec)
         for name, value in _as_stored(
             spec, t, np.broadcast_to(np.float32(0), shapes[t.param])

@@ -84,12 +84,13 @@ def weight_only_fallback(plan: LayoutPlan, weight_only: bool) -> tuple[str, ...]
     Raises:
         ExportError: a ModelOpt export would silently become W4A16_NVFP4.
     """
-    if not calibrated_input(plan.fmt) or plan.w4a4 or weight_only:
+    calibrated = [f for f in plan.formats or (plan.fmt,) if calibrated_input(f)]
+    if not calibrated or plan.w4a4 or weight_only:
         return ()
     why = (
         f"the checkpoint has no {QUANT_STATS_ITEM}.activation_amax for every "
-        f"{FORMATS[plan.fmt].label} linear and --calibrate was not given, so there are no input "
-        "scales"
+        f"{FORMATS[calibrated[0]].label} linear and --calibrate was not given, so there are no "
+        "input scales"
     )
     if plan.layout == MODELOPT:
         raise ExportError(
@@ -126,3 +127,20 @@ def refuse_per_token_w4a4(plan: LayoutPlan, recipes: dict[str, str]) -> None:
                 "export would not compute what the model trained with. Export --weight-only "
                 "(W4A16: the weights are standard NVFP4 and load everywhere)"
             )
+
+
+def refuse_unscaled_standins(plan: LayoutPlan) -> None:
+    """A ModelOpt export with FP8 stand-ins (MXFP8-trained linears) needs their static input
+    scales: ModelOpt's FP8 layers quantize activations with the `input_scale` they load (vLLM
+    `ModelOptFp8LinearMethod`, SGLang, TensorRT-LLM), so without one they serve garbage.
+
+    Raises:
+        ExportError: the export has FP8 stand-ins and is not W4A4 (weight-only, or no amax).
+    """
+    if "fp8" in plan.formats and not plan.w4a4:
+        raise ExportError(
+            "the MXFP8-trained linears are stored as FP8 per tensor in the ModelOpt layout, whose "
+            "readers need their static input scales: export W4A4 (input amax from quant_stats or "
+            "--calibrate N, without --weight-only), or use --layout compressed-tensors (MXFP8 as "
+            "trained, activations scaled at run time)"
+        )

@@ -7,13 +7,30 @@ from pathlib import Path
 
 import numpy as np
 
-from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, FORMATS, stored_recipes
-from nvfp4_export.hf_files import hf_config, hf_dense_names, special_token_ids
+from nvfp4_export.errors import ExportError
+from nvfp4_export.formats import (
+    BF16,
+    COMPRESSED_TENSORS,
+    FORMATS,
+    MIXED,
+    MODELOPT,
+    stored_format,
+    stored_recipes,
+)
+from nvfp4_export.hf_files import dense_hf_names, hf_config, special_token_ids
+from nvfp4_export.hybrid_names import LAYERS
 from nvfp4_export.json_files import canonical_json
-from nvfp4_export.layouts import FUSED_MODULES, fused_exclusions
+from nvfp4_export.layouts import (
+    FUSED_MODULES,
+    LayoutPlan,
+    fused_exclusions,
+    hf_quant_config,
+    quantization_config,
+)
 from nvfp4_export.linears import hf_modules, in_features
-from nvfp4_export.model_spec import ARCHITECTURES
+from nvfp4_export.model_spec import ARCHITECTURES, dense_entries
 from nvfp4_export.moe_spec import EXPERT_LINEARS
+from nvfp4_export.policy import weight_format
 from nvfp4_export.reload import LoadedExport
 from nvfp4_export.shard_writer import INDEX_FILE
 from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, WEIGHT_SCALE
@@ -34,18 +51,19 @@ TOKENIZER_FILE = "tokenizer.json"
 _MISSING = object()
 
 
-def _expected(kind: str, layout: str, fmt: str, w4a4: bool, out: int, inp: int) -> dict:
-    """tensor suffix -> (dtype name, shape) for one module (None: `fmt` has no `layout`)."""
-    if kind == BF16:
+def _expected(fmt: str, layout: str, w4a4: bool, out: int, inp: int) -> dict | None:
+    """tensor suffix -> (dtype name, shape) for one module stored in `fmt` ("bf16" or a
+    `FORMATS` name; None: `fmt` has no `layout`)."""
+    if fmt == BF16:
         return {WEIGHT: ("bfloat16", (out, inp))}
     f = FORMATS.get(fmt)
     names = None if f is None else f.layouts.get(layout)
     if names is None:
         return None
-    exp = {
-        names.packed: ("uint8", (out, inp // 2)),
-        names.block_scales: (f.scale_dtype, (out, inp // f.block_size)),
-    }
+    packed = "uint8" if f.elements_per_byte == 2 else "float8_e4m3fn"
+    exp = {names.packed: (packed, (out, inp // f.elements_per_byte))}
+    if names.block_scales is not None:
+        exp[names.block_scales] = (f.scale_dtype, (out, inp // f.block_size))
     if names.global_scale is not None:
         exp[names.global_scale] = ("float32", names.scalar_shape)
     if w4a4 and names.input_scale is not None:
@@ -69,10 +87,10 @@ def _module_problems(loaded: LoadedExport, name: str, exp: dict, seen: set) -> l
 
 
 def _shared_scale_problems(loaded: LoadedExport, layer: int) -> list[str]:
-    problems = []
+    problems, prefix = [], LAYERS if loaded.spec.hybrid else "model.layers"
     for group in FUSED:
         for suffix in SHARED_SCALE_SUFFIXES:
-            values = [loaded.tensors.get(f"model.layers.{layer}.{m}.{suffix}") for m in group]
+            values = [loaded.tensors.get(f"{prefix}.{layer}.{m}.{suffix}") for m in group]
             present = [np.asarray(v).reshape(-1)[0] for v in values if v is not None]
             if present and (len(present) != len(group) or len(set(present)) != 1):
                 problems.append(f"layer {layer} {group}: {suffix} not shared: {present}")
@@ -82,32 +100,65 @@ def _shared_scale_problems(loaded: LoadedExport, layer: int) -> list[str]:
 def _linear_problems(loaded: LoadedExport) -> list[str]:
     spec, prov = loaded.spec, loaded.provenance
     excluded = set(prov.get("excluded") or [])
-    recipes = stored_recipes(loaded.layout, prov["recipes"])
     problems, seen = [], set()
     for source in spec.linear_paths():
-        kind = BF16 if recipes[source] == BF16 else "fp4"
+        fmt = _linear_format(loaded, source)
         for name, rows in hf_modules(spec, source):
             inp = in_features(spec, source)
-            exp = _expected(kind, loaded.layout, prov["format"], prov["w4a4"], rows, inp)
+            exp = _expected(fmt, loaded.layout, prov["w4a4"], rows, inp)
             if exp is None:
                 problems.append(
                     f"{name}: format {prov['format']!r} is not written in layout {loaded.layout!r}"
                 )
             else:
                 problems += _module_problems(loaded, name, exp, seen)
-            if (kind == BF16) != (name in excluded):
+            if (fmt == BF16) != (name in excluded):
                 problems.append(
-                    f"{name}: {'BF16 but not' if kind == BF16 else 'quantized but'} listed as excluded"
+                    f"{name}: {'BF16 but not' if fmt == BF16 else 'quantized but'} listed as excluded"
                 )
     for i in range(spec.num_layers):
         problems += _shared_scale_problems(loaded, i)
-    problems += expert_scale_problems(loaded)
-    for name in hf_dense_names(spec):
-        seen.add(name)
-        if name not in loaded.tensors or loaded.tensors[name].dtype.name != "bfloat16":
-            problems.append(f"{name}: missing or not BF16")
+    problems += expert_scale_problems(loaded) + _dense_dtype_problems(loaded, seen)
     extra = sorted(set(loaded.tensors) - seen)
     return problems + ([f"unexpected tensors {extra[:5]}"] if extra else [])
+
+
+def _linear_format(loaded: LoadedExport, source: str) -> str:
+    """The format training linear `source` is stored in: "bf16", the manifest's `format`, or
+    for a mixed export its own (`formats.stored_format`; "?" when the layout cannot hold it)."""
+    recipe = stored_recipes(loaded.layout, loaded.provenance["recipes"])[source]
+    if recipe == BF16 or loaded.provenance["format"] != MIXED:
+        return BF16 if recipe == BF16 else loaded.provenance["format"]
+    try:
+        return stored_format(weight_format(recipe, source).fmt, loaded.layout)
+    except ExportError:  # an unknown recipe in an edited manifest
+        return "?"
+
+
+def _dense_dtype_problems(loaded: LoadedExport, seen: set) -> list[str]:
+    """Every dense tensor present in the dtype export stores it in (BF16; float32 for the
+    Mamba conv and SSM parameters)."""
+    problems, spec = [], loaded.spec
+    for t in dense_entries(spec):
+        for name in dense_hf_names(spec, t):
+            seen.add(name)
+            if name not in loaded.tensors or loaded.tensors[name].dtype.name != t.dtype:
+                problems.append(f"{name}: missing or not {t.dtype}")
+    return problems
+
+
+def plan_of_export(loaded: LoadedExport) -> LayoutPlan:
+    """The `LayoutPlan` an export was written with, rebuilt from its manifest and spec."""
+    spec, prov = loaded.spec, loaded.provenance
+    modules = tuple(
+        (name, fmt)
+        for source in spec.linear_paths()
+        if (fmt := _linear_format(loaded, source)) != BF16
+        for name, _ in hf_modules(spec, source)
+    )
+    excluded = tuple(prov.get("excluded") or [])
+    return LayoutPlan(loaded.layout, prov["format"], prov["w4a4"], excluded,
+                      bool(spec.num_experts), modules)  # fmt: skip
 
 
 def expert_scale_problems(loaded: LoadedExport) -> list[str]:
@@ -137,6 +188,8 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
     arch = loaded.spec.architecture
     if cfg.get("architectures") != [ARCHITECTURES[arch]] or cfg.get("model_type") != arch:
         problems.append(f"config.json is not a {ARCHITECTURES[arch]} config")
+    if prov["format"] == MIXED:
+        return problems + _mixed_metadata_problems(loaded)
     qc = cfg.get("quantization_config")
     excluded = prov.get("excluded") or []
     expected = sorted([*excluded, *fused_exclusions(tuple(excluded))])
@@ -166,6 +219,19 @@ def _metadata_problems(loaded: LoadedExport) -> list[str]:
         or qc.get("quant_algo") != hq.get("quant_algo")
     ):
         problems.append("config.json quantization_config must be modelopt with the same quant_algo")
+    return problems
+
+
+def _mixed_metadata_problems(loaded: LoadedExport) -> list[str]:
+    """A mixed export's `quantization_config` (and `hf_quant_config.json`) against what the
+    export writes for its rebuilt plan: every module's format, the exclusions, the groups."""
+    plan, problems = plan_of_export(loaded), []
+    if loaded.config.get("quantization_config") != quantization_config(plan):
+        problems.append("quantization_config is not the one the export writes for its modules "
+                        "and formats")  # fmt: skip
+    if plan.layout == MODELOPT and loaded.hf_quant_config != hf_quant_config(plan):
+        problems.append("hf_quant_config.json is not the one the export writes for its modules "
+                        "and formats")  # fmt: skip
     return problems
 
 
@@ -225,8 +291,9 @@ def nonfinite_problems(loaded: LoadedExport) -> list[str]:
     """Tensors holding NaN or Inf: weights, norms, block scales (E4M3 NaN, or the E8M0 NaN byte
     255 of MXFP4 scales), global and input scales. Nothing finite can be computed from them."""
     problems = []
-    f = FORMATS.get(loaded.provenance.get("format"))
-    nan_byte = None if f is None else f.nan_scale_byte
+    names = loaded.provenance.get("formats") or [loaded.provenance.get("format")]
+    bytes_ = [FORMATS[n].nan_scale_byte for n in names if n in FORMATS]
+    nan_byte = next((b for b in bytes_ if b is not None), None)
     for name, tensor in sorted(loaded.tensors.items()):
         if tensor.dtype == np.uint8:
             is_scale = nan_byte is not None and name.endswith(WEIGHT_SCALE)

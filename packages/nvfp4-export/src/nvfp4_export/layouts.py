@@ -8,7 +8,8 @@ ModelOpt `<m>.weight` U8 packed, `<m>.weight_scale` F8_E4M3, `<m>.weight_scale_2
 global scale), `<m>.input_scale` F32 [] (W4A4); compressed-tensors `<m>.weight_packed`,
 `<m>.weight_scale` (same bytes), `<m>.weight_global_scale` F32 [1] (ENCODE scale, the
 reciprocal), `<m>.input_global_scale` F32 [1] (W4A4); MXFP4 linears use "mxfp4-pack-quantized"
-(`weight_packed`, `weight_scale` U8 E8M0, no global scale).
+(`weight_packed`, `weight_scale` U8 E8M0, no global scale); 8-bit linears beside them
+(`eight_bit_formats`) make the export "mixed", whose metadata is `mixed_precision`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import numpy as np
 
 import nvfp4_format
+from nvfp4_export.eight_bit_formats import fp8_decode_scale
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
 from nvfp4_export.formats import (
@@ -26,10 +28,17 @@ from nvfp4_export.formats import (
     BF16_LAYOUT,
     COMPRESSED_TENSORS,
     FORMATS,
+    FP4_FORMATS,
     LAYOUTS,
+    MIXED,
     MODELOPT,
     ExportFormat,
     layout_names,
+)
+from nvfp4_export.mixed_precision import (
+    mixed_ct_scheme,
+    mixed_hf_quant_config,
+    mixed_modelopt_config,
 )
 from nvfp4_format.layout_names import WEIGHT, LayoutNames
 
@@ -42,10 +51,12 @@ class LayoutPlan:
 
     Attributes:
         layout: "modelopt", "compressed-tensors" or "bf16".
-        fmt: "nvfp4" or "mxfp4" (the quantized linears' format; "bf16" when none is quantized).
+        fmt: "nvfp4" or "mxfp4" (the quantized linears' format; "bf16" when none is quantized;
+            "mixed" when 8-bit linears are stored beside them, `formats`).
         w4a4: input (activation) scales are written.
         excluded: HF module names kept in BF16 (lm_head first).
         moe: the model has Mixture-of-Experts blocks.
+        modules: (HF module, stored format) of every quantized linear, in model order.
     """
 
     layout: str
@@ -53,6 +64,12 @@ class LayoutPlan:
     w4a4: bool
     excluded: tuple[str, ...]
     moe: bool = False
+    modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The stored formats of the quantized linears, sorted."""
+        return tuple(sorted({fmt for _, fmt in self.modules}))
 
 
 def plan_layout(
@@ -67,8 +84,10 @@ def plan_layout(
     `always_bf16` names the linear modules that are never quantized and are not among
     `linears` (MoE routers, Qwen2-MoE's shared-expert gate): they are excluded like `lm_head`.
 
-    W4A4 needs an `input_amax` on every NVFP4 linear (MXFP4 activations are scaled per block at run
-    time, so MXFP4 W4A4 needs none: `ExportFormat.calibrated_input`).
+    W4A4 needs an `input_amax` on every linear whose format takes a calibrated input scale
+    (NVFP4, FP8); MXFP4 and MXFP8 activations are scaled per block at run time and need none
+    (`ExportFormat.calibrated_input`). 8-bit linears may sit beside the one FP4 format: the
+    plan is then "mixed".
 
     Raises:
         ExportError: unknown layout, NVFP4 and MXFP4 linears mixed, a format without that layout
@@ -79,23 +98,25 @@ def plan_layout(
     fmts = sorted({m.fmt for m in linears} - {BF16})
     if layout == BF16_LAYOUT and fmts:
         raise ExportError(f"the {BF16_LAYOUT} layout holds BF16 linears only, got {fmts} ones")
-    if len(fmts) > 1:
-        raise ExportError(f"one export holds one FP4 format; this model mixes {fmts}")
-    fmt = fmts[0] if fmts else BF16
-    if fmt != BF16 and layout not in FORMATS[fmt].layouts:
-        f = FORMATS[fmt]
-        raise ExportError(
-            f"{f.label}-trained linears are exported in the {' or '.join(f.layouts)} layout "
-            f"('{f.ct_format}'); use --layout {' or --layout '.join(f.layouts)}, got --layout "
-            f"{layout}"
-        )
+    fp4 = [f for f in fmts if f in FP4_FORMATS]
+    if len(fp4) > 1:
+        raise ExportError(f"one export holds one FP4 format; this model mixes {fp4}")
+    for f in (FORMATS[name] for name in fmts):
+        if layout not in f.layouts:
+            raise ExportError(
+                f"{f.label}-trained linears are exported in the {' or '.join(f.layouts)} layout "
+                f"('{f.ct_format}'); use --layout {' or --layout '.join(f.layouts)}, got "
+                f"--layout {layout}"
+            )
+    fmt = fmts[0] if len(fmts) == 1 else (MIXED if fmts else BF16)
     quantized = [m for m in linears if m.fmt != BF16]
-    has_amax = bool(quantized) and all(m.input_amax is not None for m in quantized)
-    needs_no_amax = fmt != BF16 and not FORMATS[fmt].calibrated_input
-    w4a4 = not weight_only and (needs_no_amax or has_amax)
+    calibrated = [m for m in quantized if FORMATS[m.fmt].calibrated_input]
+    has_amax = bool(calibrated) and all(m.input_amax is not None for m in calibrated)
+    w4a4 = not weight_only and (has_amax or (bool(quantized) and not calibrated))
     excluded = ("lm_head", *always_bf16, *[m.name for m in linears if m.fmt == BF16])
     moe = any(".experts." in m.name for m in linears)
-    return LayoutPlan(layout, fmt, w4a4, excluded, moe)
+    modules = tuple((m.name, m.fmt) for m in quantized)
+    return LayoutPlan(layout, fmt, w4a4, excluded, moe, modules)
 
 
 def refuse_bf16_options(layout: str, **options: object) -> None:
@@ -118,6 +139,7 @@ def refuse_bf16_options(layout: str, **options: object) -> None:
 
 FUSED_MODULES = (
     ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mixer.qkv_proj", ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj")),
     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
     (
         "mlp.shared_expert.gate_up_proj",
@@ -168,6 +190,19 @@ _EXPERT_MODULE = re.compile(
 (`expert_scales.refuse_mixed_experts`), so one excluded expert module means the whole layer."""
 
 
+def fused_formats(plan: LayoutPlan) -> dict[str, str]:
+    """Fused layer name -> format, for every fused group (`FUSED_MODULES`) whose parts are all
+    quantized in one format (the mixed layouts list the fused name too)."""
+    formats, out = dict(plan.modules), {}
+    for module, fmt in plan.modules:
+        for fused_name, parts in FUSED_MODULES:
+            if module.endswith("." + parts[0]):
+                prefix = module[: -len(parts[0])]
+                if all(formats.get(prefix + part) == fmt for part in parts):
+                    out[prefix + fused_name] = fmt
+    return out
+
+
 def excluded_modules(plan: LayoutPlan) -> list[str]:
     """ModelOpt's `exclude_modules` and compressed-tensors' `ignore`: the BF16 modules, then the
     fused names of fully BF16 groups (`fused_exclusions`)."""
@@ -178,8 +213,11 @@ def _scalar(x: float, shape: tuple[int, ...]) -> np.ndarray:
     return np.full(shape, x, dtype=np.float32)
 
 
-def scale_of_amax(amax: np.float32, names: LayoutNames) -> np.float32:
-    """The layout's global (or input) scale of `amax`: ENCODE (6 * 448 / amax) or DECODE (its reciprocal)."""
+def scale_of_amax(amax: np.float32, names: LayoutNames, fmt: str = "nvfp4") -> np.float32:
+    """The layout's global (or input) scale of `amax`: ENCODE (6 * 448 / amax) or DECODE (its
+    reciprocal); FP8 per tensor (`fmt` "fp8"): the DECODE scale amax / 448."""
+    if fmt == "fp8":
+        return fp8_decode_scale(amax)
     if names.scales_encode:
         return nvfp4_format.global_encode_scale(amax)
     return nvfp4_format.global_decode_scale(amax)
@@ -190,20 +228,21 @@ def linear_tensors(m: ExportedLinear, plan: LayoutPlan) -> dict[str, np.ndarray]
     if m.fmt == BF16:
         return {LayoutNames.tensor(m.name, WEIGHT): m.weight}
     names = layout_names(m.fmt, plan.layout)
-    out = {
-        names.tensor(m.name, names.packed): m.packed,
-        names.tensor(m.name, names.block_scales): m.scales,
-    }
+    out = {names.tensor(m.name, names.packed): m.packed}
+    if names.block_scales is not None:
+        out[names.tensor(m.name, names.block_scales)] = m.scales
     if names.global_scale is not None:
         value = m.global_encode_scale if names.scales_encode else m.global_decode_scale
         out[names.tensor(m.name, names.global_scale)] = _scalar(value, names.scalar_shape)
     if plan.w4a4 and names.input_scale is not None:
-        value = scale_of_amax(np.float32(m.input_amax), names)
+        value = scale_of_amax(np.float32(m.input_amax), names, m.fmt)
         out[names.tensor(m.name, names.input_scale)] = _scalar(value, names.scalar_shape)
     return out
 
 
 def _ct_scheme(plan: LayoutPlan) -> dict:
+    if plan.fmt == MIXED:
+        return mixed_ct_scheme(plan, excluded_modules(plan), fused_formats(plan))
     f = FORMATS[plan.fmt]
     quant = dict(f.ct_args)
     acts = {**quant, "dynamic": f.ct_input_dynamic} if plan.w4a4 else None
@@ -229,16 +268,20 @@ def hf_quant_config(plan: LayoutPlan) -> dict | None:
     """The ModelOpt `hf_quant_config.json` (None for compressed-tensors)."""
     if plan.layout != MODELOPT:
         return None
+    if plan.fmt == MIXED:
+        return mixed_hf_quant_config(plan, excluded_modules(plan), fused_formats(plan), PRODUCER)
     f = FORMATS[plan.fmt]
     quantization = {"quant_algo": _modelopt_algo(f, plan), "kv_cache_quant_algo": None}
-    quantization |= {"group_size": f.block_size, "exclude_modules": excluded_modules(plan)}
+    quantization |= {"group_size": f.block_size or None, "exclude_modules": excluded_modules(plan)}
     return {"producer": dict(PRODUCER), "quantization": quantization}
 
 
 def _modelopt_config(plan: LayoutPlan) -> dict:
+    if plan.fmt == MIXED:
+        return mixed_modelopt_config(plan, excluded_modules(plan), fused_formats(plan), PRODUCER)
     f = FORMATS[plan.fmt]
     quant = {"num_bits": f.ct_args["num_bits"], "type": f.ct_args["type"]}
-    quant |= {"group_size": f.block_size, "dynamic": False}
+    quant |= {"group_size": f.block_size, "dynamic": False} if f.block_size else {"dynamic": False}
     group = {"targets": ["Linear"], "weights": quant, "input_activations": None}
     if plan.w4a4:
         group["input_activations"] = dict(quant)
@@ -246,7 +289,7 @@ def _modelopt_config(plan: LayoutPlan) -> dict:
         "quant_method": "modelopt",
         "quant_algo": _modelopt_algo(f, plan),
         "kv_cache_quant_algo": None,
-        "group_size": f.block_size,
+        "group_size": f.block_size or None,
         "exclude_modules": excluded_modules(plan),
         "config_groups": {"group_0": group},
         "ignore": excluded_modules(plan),

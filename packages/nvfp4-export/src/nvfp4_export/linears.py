@@ -16,9 +16,11 @@ import ml_dtypes
 import numpy as np
 
 from nvfp4_export.bfloat16 import bfloat16_values_transposed, transposed
+from nvfp4_export.eight_bit_formats import fp8_of_mxfp8
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16, BF16_LAYOUT, FORMATS
+from nvfp4_export.formats import BF16, BF16_LAYOUT, FORMATS, stored_format
+from nvfp4_export.hybrid_names import hybrid_hf_modules, hybrid_in_features
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.moe_spec import SHARED_LINEARS, expert_modules, is_expert_linear, shared_modules
 from nvfp4_export.policy import WeightFormat, weight_format
@@ -30,6 +32,8 @@ def hf_modules(spec: LlamaSpec, source: str, expert: int | None = None) -> list[
     """(HF module name, output rows) in the order the fused output of `source` holds them; for a
     routed experts' linear (`mlp.experts.gate_up`) every expert's modules in expert order, or
     only those of `expert`."""
+    if spec.hybrid:
+        return hybrid_hf_modules(spec, source)
     prefix, kind = source.split(".", 2)[:2], source.split(".", 2)[2]
     layer = int(prefix[1])
     if is_expert_linear(source):
@@ -53,6 +57,8 @@ def hf_modules(spec: LlamaSpec, source: str, expert: int | None = None) -> list[
 
 def in_features(spec: LlamaSpec, source: str) -> int:
     """The input width of training linear `source` (of each expert's, for the experts)."""
+    if spec.hybrid:
+        return hybrid_in_features(spec, source)
     kind = source.split(".", 2)[2]
     widths = {"attn.o": spec.num_heads * spec.head_dim, "mlp.down": spec.mlp_dim,
               "mlp.experts.down": spec.expert_mlp_dim, "mlp.shared.down": spec.shared_mlp_dim}  # fmt: skip
@@ -135,10 +141,30 @@ def layout_linear(
     spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, recipe: str, input_amax, layout: str
 ) -> list[ExportedLinear]:
     """The HF modules an export in `layout` stores for `source`: its master weight in BF16 for
-    the `bf16` layout (`master_bf16_linear`), else `export_linear` (quantized as trained)."""
+    the `bf16` layout (`master_bf16_linear`), the FP8 stand-in of an MXFP8 linear in a layout
+    without MXFP8 (`fp8_standin_linear`), else `export_linear` (quantized as trained)."""
     if layout == BF16_LAYOUT:
         return master_bf16_linear(spec, source, kernel_IxO)
+    if stored_format(weight_format(recipe, source).fmt, layout) == "fp8":
+        return fp8_standin_linear(spec, source, kernel_IxO, input_amax)
     return export_linear(spec, source, kernel_IxO, recipe, input_amax)
+
+
+def fp8_standin_linear(
+    spec: LlamaSpec, source: str, kernel_IxO: np.ndarray, input_amax
+) -> list[ExportedLinear]:
+    """The HF modules of MXFP8-trained linear `source` as FP8 per tensor (the ModelOpt layout
+    has no MXFP8 a server loads, `eight_bit_formats`): its trained MXFP8 values re-quantized with
+    one scale over the whole fused tensor (shared by q/k/v), each module carrying the error that
+    adds (`ExportedLinear.standin_error`)."""
+    w_t = compute_weight_t(kernel_IxO, spec.dtype)
+    data, scale, error = fp8_of_mxfp8(w_t)
+    amax = None if input_amax is None else float(input_amax)
+    return [
+        ExportedLinear(name, source, "fp8", packed=np.ascontiguousarray(data[rows]),
+                       stored_decode_scale=scale, input_amax=amax, standin_error=error)
+        for name, rows in _split_rows(hf_modules(spec, source))
+    ]  # fmt: skip
 
 
 def _export_one(spec, source, kernel_IxO, recipe, input_amax, expert) -> list[ExportedLinear]:
@@ -171,24 +197,29 @@ def _placeholder(dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def planned_linear(
-    spec: LlamaSpec, source: str, in_features: int, recipe: str, input_amax
+    spec: LlamaSpec, source: str, in_features: int, recipe: str, input_amax, layout: str = ""
 ) -> list[ExportedLinear]:
-    """The HF modules `export_linear` gives for `source`, with placeholder data: right names,
-    formats, dtypes and shapes, no values (what the layout and the weight files' headers need
-    before any weight is read)."""
+    """The HF modules `layout_linear` gives for `source` in `layout` (a quantized layout, or
+    "" for `export_linear`'s), with placeholder data: right names, formats, dtypes and shapes,
+    no values (what the layout and the weight files' headers need before any weight is read)."""
     if is_expert_linear(source):
         amax = _per_expert(input_amax, spec.num_experts)
         return [
             m
             for e in range(spec.num_experts)
-            for m in _planned_one(spec, source, in_features, recipe, amax[e], e)
+            for m in _planned_one(spec, source, in_features, recipe, amax[e], e, layout)
         ]
-    return _planned_one(spec, source, in_features, recipe, input_amax, None)
+    return _planned_one(spec, source, in_features, recipe, input_amax, None, layout)
 
 
-def _planned_one(spec, source, in_features, recipe, input_amax, expert) -> list[ExportedLinear]:
+def _planned_one(spec, source, in_features, recipe, input_amax, expert, layout):
     wf = weight_format(recipe, source)
     parts = hf_modules(spec, source, expert)
+    amax = None if input_amax is None else float(input_amax)
+    if layout and stored_format(wf.fmt, layout) == "fp8":
+        return [ExportedLinear(n, source, "fp8", input_amax=amax, stored_decode_scale=np.float32(1),
+                               packed=_placeholder(ml_dtypes.float8_e4m3fn, (r, in_features)))
+                for n, r in parts]  # fmt: skip
     if wf.fmt == BF16:
         return [
             ExportedLinear(
@@ -198,13 +229,13 @@ def _planned_one(spec, source, in_features, recipe, input_amax, expert) -> list[
         ]
     f = FORMATS[wf.fmt]
     scale_dtype = getattr(ml_dtypes, f.scale_dtype, None) or np.dtype(f.scale_dtype)
-    amax = None if input_amax is None else float(input_amax)
+    packed_dtype = np.uint8 if f.elements_per_byte == 2 else ml_dtypes.float8_e4m3fn
     return [
         ExportedLinear(
             n,
             source,
             wf.fmt,
-            packed=_placeholder(np.uint8, (r, in_features // 2)),
+            packed=_placeholder(packed_dtype, (r, in_features // f.elements_per_byte)),
             scales=_placeholder(scale_dtype, (r, in_features // f.block_size)),
             weight_amax=np.float32(1.0),
             input_amax=amax,

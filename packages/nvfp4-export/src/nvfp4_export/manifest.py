@@ -26,6 +26,9 @@ LOADED_SUFFIXES = (".json", ".safetensors")
 """Files a loader reads by name pattern: one in the directory that the export did not write is a
 problem (a server would read it), any other extra file (a README) is not."""
 OLDER_VERSION = "files not checked: written by an older version of nvfp4-export (no file hashes)"
+STANDINS = "standins"
+"""Manifest key: {training linear: added weight error} of the linears stored in a stand-in format
+(an MXFP8 linear as FP8 per tensor in ModelOpt, `eight_bit_formats`); {} when none."""
 CHECKPOINT_CHECKED = "checkpoint_checked"
 """Manifest key: {"parameters": bool, "config": bool}, what of the checkpoint export checked."""
 

@@ -16,7 +16,7 @@ those its model class builds. An MoE block `i` (`LlamaSpec.is_moe_layer`) has in
 [E] (zero: no exported class has it), layers.{i}.mlp.experts.gate_up.kernel [E, D, 2F] (per expert
 gate | up), layers.{i}.mlp.experts.down.kernel [E, F, D], and with a shared expert
 layers.{i}.mlp.shared.gate_up.kernel [D, 2S], layers.{i}.mlp.shared.down.kernel [S, D],
-layers.{i}.mlp.shared_gate.kernel [D, 1] (`moe_spec`).
+layers.{i}.mlp.shared_gate.kernel [D, 1] (`moe_spec`). A `nemotron_h` block: `hybrid_spec`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from nvfp4_export.dense_names import (
     DenseTensor,
 )
 from nvfp4_export.errors import ExportError
+from nvfp4_export.hybrid_names import hybrid_dense_entries
+from nvfp4_export.hybrid_spec import HybridSpec, hybrid_fields
 from nvfp4_export.moe_spec import (
     EXPERT_LINEARS,
     MOE_CLASSES,
@@ -44,7 +46,7 @@ from nvfp4_export.moe_spec import (
     router_tensor,
     shared_gate_tensor,
 )
-from nvfp4_export.rope import ROPE_TYPES, rope_inv_freq, scaled_rope
+from nvfp4_export.rope import ROPE_TYPES, rope_inv_freq, rope_scaling_of, scaled_rope
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
@@ -54,6 +56,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     **{kind: names.hf_class for kind, names in MOE_CLASSES.items()},
+    "nemotron_h": "NemotronHForCausalLM",
 }
 """Hugging Face `model_type` -> its causal-LM class (config.json `architectures`)."""
 ARCHITECTURE_OPTIONS = {
@@ -67,6 +70,7 @@ ARCHITECTURE_OPTIONS = {
                   {"qkv_bias": True, "o_bias": True, "qk_norm": True}),
     "mixtral": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
     "qwen2_moe": ({"qkv_bias": True, "o_bias": False, "qk_norm": False},),
+    "nemotron_h": ({"qkv_bias": False, "o_bias": False, "qk_norm": False},),
 }  # fmt: skip
 """`model_type` -> the (qkv_bias, o_bias, qk_norm) its Hugging Face class can build: Llama's and
 Qwen 3's `attention_bias` switches the q/k/v and o_proj biases together, Qwen 2 always has q/k/v
@@ -110,9 +114,12 @@ class LlamaSpec:
     norm_topk_prob: bool = True
     moe_layer_freq: int = 1
     moe_dense_layers: tuple[int, ...] = ()
+    hybrid: HybridSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))
+        if isinstance(self.hybrid, dict):  # read back from a manifest
+            object.__setattr__(self, "hybrid", HybridSpec(**self.hybrid))
         _check_choices(self)
         _check_widths(self)
 
@@ -147,6 +154,8 @@ class LlamaSpec:
 
     def block_linear_names(self, i: int) -> tuple[str, ...]:
         """The quantizable linears of block `i`, relative to `layers.{i}` (training's order)."""
+        if self.hybrid:
+            return self.hybrid.block_linear_names(i)
         if not self.is_moe_layer(i):
             return LINEAR_NAMES
         return (
@@ -179,6 +188,8 @@ class LlamaSpec:
         """Parameter path -> shape, exactly the tree the training model has."""
         d, f, dense = self.d_model, self.mlp_dim, self._dense_shapes()
         shapes = {t.param: dense[t.key] for t in MODEL_TENSORS if self.has(t)}
+        if self.hybrid:
+            return shapes | self.hybrid.layer_params(self)
         for i in range(self.num_layers):
             p = f"layers.{i}."
             shapes[p + "attn.qkv.kernel"] = (d, sum(self.qkv_split))
@@ -232,6 +243,7 @@ def _check_widths(spec: LlamaSpec) -> None:
         "num_heads * head_dim": spec.num_heads * spec.head_dim,
         "model.moe.expert_mlp_dim": spec.expert_mlp_dim,
         "the shared experts' width": spec.shared_mlp_dim,
+        **(spec.hybrid.widths() if spec.hybrid else {}),
     }
     for name, width in widths.items():
         if width % 16:
@@ -265,6 +277,8 @@ def dense_entries(spec: LlamaSpec) -> list[DenseTensor]:
         >>> [t.hf_name for t in dense_entries(spec) if t.layer is not None][-2:]
         ['model.layers.0.self_attn.q_norm.weight', 'model.layers.0.self_attn.k_norm.weight']
     """
+    if spec.hybrid:
+        return hybrid_dense_entries(spec)
     layers = [
         t
         for i in range(spec.num_layers)
@@ -299,6 +313,7 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
         raise ExportError("the checkpoint config has no 'model' section")
     if EMBED.param not in params:
         raise ExportError(f"params lack {EMBED.param!r}; have {sorted(params)[:6]}...")
+    hybrid = hybrid_fields(model)  # first: an MoE hybrid is refused as such
     try:
         heads = int(model["num_heads"])
         spec = LlamaSpec(
@@ -318,8 +333,9 @@ def spec_from_config(config: dict[str, Any], params: Mapping[str, Any]) -> Llama
             qkv_bias=bool(model.get("qkv_bias", False)),
             o_bias=bool(model.get("o_bias", False)),
             qk_norm=bool(model.get("qk_norm", False)),
-            rope_scaling=_rope_scaling(model.get("rope_scaling")),
+            rope_scaling=rope_scaling_of(model.get("rope_scaling")),
             **moe_fields(model),
+            **hybrid,
         )
     except KeyError as err:
         raise ExportError(f"the checkpoint config's model section lacks {err}") from err
@@ -355,16 +371,6 @@ def check_architecture(spec: LlamaSpec) -> None:
             "tensors. Fix model.architecture or the bias/norm options in the run's config to "
             "what the model was trained with"
         )
-
-
-def _rope_scaling(section: Any) -> dict[str, Any] | None:
-    if section is None:
-        return None
-    if not isinstance(section, dict):
-        raise ExportError(
-            f"the checkpoint config's model.rope_scaling must be a mapping, got {section!r}"
-        )
-    return dict(section) if section.get("rope_type", "default") != "default" else None
 
 
 def check_params(spec: LlamaSpec, params: Mapping[str, Any]) -> None:

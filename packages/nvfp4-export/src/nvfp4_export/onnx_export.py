@@ -54,6 +54,11 @@ def export_onnx(
     for note in ckpt.notes:
         log("warning: " + note)
     spec = spec_from_config(ckpt.config, ckpt.params)
+    if spec.hybrid:
+        raise ExportError(
+            "ONNX export of hybrid Mamba-2 models (nemotron_h) is not implemented; export it "
+            "with `nvfp4-export hf` (ModelOpt, compressed-tensors or bf16)"
+        )
     if spec.num_experts:
         raise ExportError(
             f"ONNX export of Mixture-of-Experts models ({spec.architecture}) is not implemented; "

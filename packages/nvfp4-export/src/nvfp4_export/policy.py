@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from nvfp4_export.errors import ExportError
+from nvfp4_export.hybrid_spec import never_quantized_refusal
 from nvfp4_export.model_spec import LlamaSpec
 
 
@@ -33,7 +34,7 @@ class WeightFormat:
     """How a recipe quantized the weight in the forward pass (the values the model computed with).
 
     Attributes:
-        fmt: "nvfp4", "mxfp4" or "bf16" (not quantized).
+        fmt: "nvfp4", "mxfp4", "mxfp8" or "bf16" (not quantized).
         block_shape: (16, 16) or (1, 16) for NVFP4 (blocks along the input axis of W^T); None else.
         quantized_input: the recipe quantizes the activations too (W4A4).
         input_outer_scale: "tensor", or "row" when the recipe gave the activations one outer
@@ -60,17 +61,19 @@ RECIPE_WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "nvfp4-fwd-mxfp8-bwd": WeightFormat("nvfp4", (16, 16), True),
     "nvfp4-per-token": WeightFormat("nvfp4", (16, 16), True, input_outer_scale="row"),
     "mxfp4": WeightFormat("mxfp4", None, True),
+    "mxfp8": WeightFormat("mxfp8", None, True),
     "bf16": WeightFormat("bf16"),
 }
-"""Training recipe presets -> their forward weight format. ("fp8" has no FP4 export.)"""
+"""Training recipe presets -> their forward weight format. ("fp8", per-tensor current scaling,
+has no export: the stored per-tensor FP8 is a stand-in for MXFP8, `eight_bit_formats`.)"""
 
 
 def weight_format(recipe: str, path: str) -> WeightFormat:
     """The `WeightFormat` of recipe preset `recipe` used by linear `path`."""
     if recipe == "fp8":
         raise ExportError(
-            f"linear {path!r} was trained with the 'fp8' recipe; FP8 layouts are not exported by "
-            f"nvfp4-export (use recipes {sorted(RECIPE_WEIGHT_FORMATS)})"
+            f"linear {path!r} was trained with the 'fp8' recipe (per-tensor current scaling), "
+            f"which nvfp4-export does not export (use recipes {sorted(RECIPE_WEIGHT_FORMATS)})"
         )
     if recipe not in RECIPE_WEIGHT_FORMATS:
         raise ExportError(
@@ -146,6 +149,9 @@ def linear_recipes(
             and the config has a `precision.schedule`.
     """
     listed = (quant_stats or {}).get("recipes")
+    if spec.hybrid:
+        overrides = (config.get("precision") or {}).get("overrides") or []
+        never_quantized_refusal(spec.hybrid, listed or {}, overrides, spec.linear_paths())
     if listed is None:
         return _rule_recipes(spec, config.get("precision") or {})
     expected = set(spec.linear_paths())

@@ -18,11 +18,12 @@ from nvfp4_export.dense_names import (
     LAYER_TENSORS,
     LM_HEAD,
     DenseTensor,
-    layer_tensor,
+    stored_value,
 )
+from nvfp4_export.eight_bit_formats import detect_eight_bit_modules, fp8_decode_scale
 from nvfp4_export.errors import ExportError
 from nvfp4_export.exported_linear import ExportedLinear
-from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT, stored_recipes
+from nvfp4_export.formats import BF16, FORMAT_OF_LAYOUT, LAYOUT_NAMES, stored_recipes
 from nvfp4_export.forward import ForwardLinear, ForwardWeights
 from nvfp4_export.hf_files import (
     CONFIG_FILE,
@@ -31,12 +32,12 @@ from nvfp4_export.hf_files import (
 )
 from nvfp4_export.linears import dequantize_linear, export_linear, hf_modules
 from nvfp4_export.manifest import MANIFEST
-from nvfp4_export.model_spec import LlamaSpec, dense_entries, moe_dense_entries
+from nvfp4_export.model_spec import LlamaSpec, dense_entries
 from nvfp4_export.moe_spec import is_expert_linear
 from nvfp4_export.policy import weight_format
 from nvfp4_export.shard_writer import DTYPE_TAG, INDEX_FILE, SINGLE_FILE
 from nvfp4_format.layout_detection import QuantizedModule, detect_quantized_modules
-from nvfp4_format.layout_names import LAYOUT_NAMES, WEIGHT, LayoutNames
+from nvfp4_format.layout_names import WEIGHT, LayoutNames
 from nvfp4_format.safetensors_header import TensorInfo
 
 PROVENANCE_FILE = MANIFEST
@@ -72,8 +73,11 @@ class LoadedExport:
 
     @functools.cached_property
     def quantized_modules(self) -> Mapping[str, QuantizedModule]:
-        """Module name -> its FP4 tensors, as `nvfp4_format.layout_detection` detects them."""
-        return {q.module: q for q in detect_quantized_modules(tensor_infos(self.tensors))}
+        """Module name -> its quantized tensors: the FP4 modules `nvfp4_format.layout_detection`
+        detects and the 8-bit ones (`eight_bit_formats.detect_eight_bit_modules`)."""
+        infos = tensor_infos(self.tensors)
+        found = detect_quantized_modules(infos) + detect_eight_bit_modules(infos)
+        return {q.module: q for q in found}
 
 
 def tensor_infos(tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
@@ -180,11 +184,15 @@ def linear_from_tensors(loaded: LoadedExport, name: str, source: str) -> Exporte
                               (names.global_scale, q.global_scale)) if s and n is None]  # fmt: skip
     if missing:
         raise ExportError(f"export lacks {names.tensor(name, missing[0])!r}")
-    packed, scales = t[q.packed], t[q.block_scales]
+    packed, scales = t[q.packed], t.get(q.block_scales)
     base = ExportedLinear(name, source, fmt, packed=packed, scales=scales,
                           input_amax=_stored_amax(t, q.input_scale, names.scales_encode))  # fmt: skip
     if q.global_scale is None:
         return base
+    if fmt == "fp8":
+        stored = np.float32(np.asarray(t[q.global_scale]).reshape(()))
+        amax = _fp8_amax(t, q.input_scale)
+        return dataclasses.replace(base, stored_decode_scale=stored, input_amax=amax)
     stored = np.float32(t[q.global_scale].reshape(()))
     if names.scales_encode:
         return dataclasses.replace(base, weight_amax=_amax_from_encode(stored))
@@ -204,6 +212,20 @@ def _stored_amax(tensors: Mapping[str, np.ndarray], name: str | None, encode: bo
     return float(_amax_from_encode(stored if encode else np.float32(1.0) / stored))
 
 
+def _fp8_amax(tensors: Mapping[str, np.ndarray], name: str | None):
+    """The amax whose FP8 decode scale (amax / 448) the stored scalar `name` holds, or None."""
+    if name is None or np.asarray(tensors[name]).size != 1:
+        return None
+    stored = np.float32(np.asarray(tensors[name]).reshape(()))
+    if not (np.isfinite(stored) and stored > 0):
+        return None
+    amax = np.float32(stored * np.float32(448))
+    for candidate in (amax, np.nextafter(amax, np.inf), np.nextafter(amax, -np.inf)):
+        if fp8_decode_scale(candidate) == stored:
+            return float(candidate)
+    return float(amax)
+
+
 def _amax_from_encode(s_enc: np.float32) -> np.float32:
     """An amax whose `global_encode_scale` is `s_enc` (6 * 448 / s_enc, nudged to round-trip)."""
     import nvfp4_format
@@ -216,8 +238,11 @@ def _amax_from_encode(s_enc: np.float32) -> np.float32:
 
 
 def _fused(modules: list[ExportedLinear], act_fmt: str, act_amax: float | None) -> ForwardLinear:
+    """One training linear from its HF modules; an FP8 stand-in's input is served as FP8 with
+    its static scale (`ForwardLinear.served_act_fmt`)."""
     w = np.concatenate([dequantize_linear(m) for m in modules], axis=0)
-    return ForwardLinear(w, act_fmt, act_amax)
+    served = "fp8" if modules[0].fmt == "fp8" and act_fmt != "none" else None
+    return ForwardLinear(w, act_fmt, act_amax, served)
 
 
 def _act_fmt(recipe: str, source: str) -> str:
@@ -233,13 +258,15 @@ def forward_weights(
 ) -> ForwardWeights:
     """`ForwardWeights` from exported linears (keyed by training path) and the dense tensors.
 
-    `dense` holds float32 "embed" [V, D], "final_norm", "lm_head" [V, D] and
-    "layers.{i}.{name}" for every name of `dense_layer_names(spec)`.
+    `dense` holds float32 "embed" [V, D], "final_norm", "lm_head" [V, D] and the key
+    "layers.{i}.{name}" of every per-layer entry of `dense_entries(spec)` (in HF's layout,
+    `dense_names.stored_value`).
     """
-    layers = []
-    for i in range(spec.num_layers):
-        layer = {n: dense[layer_tensor(n, i).key] for n in dense_layer_names(spec)}
-        layer |= {t.key.rsplit(".", 1)[1]: dense[t.key] for t in moe_dense_entries(spec, i)}
+    layers = [{} for _ in range(spec.num_layers)]
+    for t in dense_entries(spec):
+        if t.layer is not None:  # norms, biases, routers, the Mamba conv and SSM parameters
+            layers[t.layer][t.key.split(".", 2)[2]] = dense[t.key]
+    for i, layer in enumerate(layers):
         for kind in spec.block_linear_names(i):
             source = f"layers.{i}.{kind}"
             mods, act = linears[source], _act_fmt(recipes[source], source)
@@ -250,7 +277,6 @@ def forward_weights(
                 layer[key] = [_fused(g, act, g[0].input_amax) for g in groups]
             else:
                 layer[key] = _fused(mods, act, mods[0].input_amax)
-        layers.append(layer)
     return ForwardWeights(
         spec, dense[EMBED.key], dense[FINAL_NORM.key], dense[LM_HEAD.key], tuple(layers)
     )
@@ -283,7 +309,7 @@ def weights_from_checkpoint(
         path: export_linear(spec, path, p[f"{path}.kernel"], recipes[path], input_amax.get(path))
         for path in spec.linear_paths()
     }
-    dense = {t.key: p[t.param].T if t.transposed else p[t.param] for t in dense_entries(spec)}
+    dense = {t.key: stored_value(t, p[t.param]) for t in dense_entries(spec)}
     return forward_weights(spec, linears, recipes, _with_tied_head(spec, dense))
 
 
@@ -315,7 +341,8 @@ def _is_linear(v) -> bool:
 
 
 def bf16_dense(w: ForwardWeights) -> ForwardWeights:
-    """`w` with norms, biases, embedding and lm_head rounded to BF16, as the exports store them.
+    """`w` with norms, biases, embedding and lm_head rounded to BF16, as the exports store them
+    (the float32-stored Mamba conv and SSM parameters kept).
 
     The trained model's forward weights on the export's dense tensors: what an export's reload
     (or its ONNX file) computes with, next to its quantized linears.
@@ -323,8 +350,9 @@ def bf16_dense(w: ForwardWeights) -> ForwardWeights:
     Example:
         >>> same = forward(bf16_dense(weights_from_checkpoint(ckpt, spec, recipes, {})), tokens)  # doctest: +SKIP
     """
+    kept = {t.key.split(".", 2)[2] for t in dense_entries(w.spec) if t.dtype == "float32"}
     layers = tuple(
-        {k: (v if _is_linear(v) else _bf16_round(v)) for k, v in layer.items()}
+        {k: (v if _is_linear(v) or k in kept else _bf16_round(v)) for k, v in layer.items()}
         for layer in w.layers
     )
     return dataclasses.replace(

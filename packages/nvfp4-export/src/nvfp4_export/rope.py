@@ -12,8 +12,25 @@ from typing import Any
 
 import numpy as np
 
+from nvfp4_export.errors import ExportError
+
 ROPE_TYPES = ("default", "linear", "llama3")
 """The `rope_scaling.rope_type` values a model spec may have."""
+
+
+def rope_scaling_of(section: Any) -> dict[str, Any] | None:
+    """A training config's `model.rope_scaling` as a spec holds it: None for none or "default".
+
+    Raises:
+        ExportError: it is not a mapping.
+    """
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ExportError(
+            f"the checkpoint config's model.rope_scaling must be a mapping, got {section!r}"
+        )
+    return dict(section) if section.get("rope_type", "default") != "default" else None
 
 
 def scaled_rope(rope_scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -6,7 +6,9 @@ loading code (file and function named in the tables below; docs/export.md has th
 - it builds the architecture's attention without a bias the checkpoint holds, and its weight
   loader skips that `.bias` tensor without a word (vLLM's Qwen 3 has no `o_proj` bias);
 - it cannot read the export's layout or mode at all (TensorRT-LLM on a weight-only
-  compressed-tensors export), which is an error at load time instead of a silent difference.
+  compressed-tensors export), which is an error at load time instead of a silent difference;
+- for a hybrid (Nemotron-H) model, its Mamba mixer computes otherwise than training
+  (`hybrid_servers`: a dt clip it ignores, SGLang's fixed gated-norm eps).
 
 `check_servers` refuses both for the servers the export is meant for; with `allow_dropped` a
 dropped tensor becomes a warning instead (the export then serves differently on that server).
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from nvfp4_export.errors import ExportError
 from nvfp4_export.formats import BF16, COMPRESSED_TENSORS, MODELOPT, NVFP4
 from nvfp4_export.hf_files import hf_config
+from nvfp4_export.hybrid_servers import hybrid_differences, hybrid_layout_refusal
 from nvfp4_export.layouts import LayoutPlan
 from nvfp4_export.model_spec import LlamaSpec
 
@@ -81,6 +84,8 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
                                    "MixtralAttention: bias=False"),
         "qwen2_moe": AttentionBiases(True, False, "vllm/model_executor/models/qwen2_moe.py, "
                                      "Qwen2MoeAttention: qkv_proj bias=True, o_proj bias=False"),
+        "nemotron_h": AttentionBiases(False, False, "vllm/model_executor/models/nemotron_h.py, "
+                                      "NemotronHAttention: bias=False"),
     },
     "sglang": {
         "llama": AttentionBiases(_AB, _AB, "python/sglang/srt/models/llama.py, LlamaAttention: "
@@ -97,6 +102,8 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
         "qwen2_moe": AttentionBiases(True, False, "python/sglang/srt/models/qwen2_moe.py, "
                                      "Qwen2MoeAttention: qkv_bias (config, default True), "
                                      "o_proj bias=False"),
+        "nemotron_h": AttentionBiases(False, False, "python/sglang/srt/models/nemotron_h.py, "
+                                      "NemotronHAttention: qkv_proj and o_proj bias=False"),
     },
     "tensorrt-llm": {
         "llama": AttentionBiases(_AB, _AB, "tensorrt_llm/_torch/models/modeling_llama.py, "
@@ -113,6 +120,8 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
                                    "MixtralAttention: bias=False"),
         "qwen2_moe": AttentionBiases(True, False, "tensorrt_llm/_torch/models/modeling_qwen_moe.py "
                                      "(QwenAttention: bias=True, dense_bias=False)"),
+        "nemotron_h": AttentionBiases(_AB, _AB, "tensorrt_llm/_torch/models/modeling_nemotron_h"
+                                      ".py, TransformerLayer: bias=config.attention_bias"),
     },
     "transformers": {
         "llama": AttentionBiases(_AB, _AB, "transformers LlamaAttention: bias=attention_bias"),
@@ -124,6 +133,8 @@ BIASES: dict[str, dict[str, AttentionBiases]] = {
         "mixtral": AttentionBiases(False, False, "transformers MixtralAttention: bias=False"),
         "qwen2_moe": AttentionBiases(True, False, "transformers Qwen2MoeAttention: "
                                      "q/k/v bias=qkv_bias, o_proj bias=False"),
+        "nemotron_h": AttentionBiases(False, False, "transformers NemotronHAttention: "
+                                      "bias=False"),
     },
 }  # fmt: skip
 """server -> architecture -> the attention biases its class builds. Every server builds Qwen 3's
@@ -144,7 +155,8 @@ def layout_refusal(server: str, plan: LayoutPlan) -> str | None:
             "transformers has no ModelOpt quantizer (transformers/quantizers/auto.py, "
             "AUTO_QUANTIZER_MAPPING has no 'modelopt'); use --layout compressed-tensors"
         )
-    if server == "sglang" and plan.layout == MODELOPT and plan.fmt == NVFP4.name and not plan.w4a4:
+    nvfp4 = NVFP4.name in (plan.formats or (plan.fmt,))
+    if server == "sglang" and plan.layout == MODELOPT and nvfp4 and not plan.w4a4:
         return (
             "SGLang refuses quant_algo W4A16_NVFP4 (python/sglang/srt/layers/quantization/"
             "modelopt_quant.py, ModelOptFp4Config.from_config: quant_method not in "
@@ -159,7 +171,7 @@ def layout_refusal(server: str, plan: LayoutPlan) -> str | None:
             "convert; transformers 5.25). Dequantize with compressed-tensors first "
             "(nvfp4_export.clients.moe_dense_copy), or leave transformers out of --server"
         )
-    weight_only_ct = plan.layout == COMPRESSED_TENSORS and plan.fmt == NVFP4.name and not plan.w4a4
+    weight_only_ct = plan.layout == COMPRESSED_TENSORS and nvfp4 and not plan.w4a4
     if server == "tensorrt-llm" and weight_only_ct:
         return (
             "TensorRT-LLM reads input_activations['strategy'] of an NVFP4 (tensor_group) "
@@ -167,7 +179,7 @@ def layout_refusal(server: str, plan: LayoutPlan) -> str | None:
             "_quant_config_from_config_group), and a weight-only export has input_activations: "
             "null, so the load fails; export W4A4 (input scales from quant_stats or --calibrate N)"
         )
-    return None
+    return hybrid_layout_refusal(server, plan)
 
 
 def target_servers(plan: LayoutPlan, servers: Sequence[str] | None) -> tuple[str, ...]:
@@ -209,6 +221,7 @@ def check_servers(
         f"({BIASES[s][spec.architecture].source}) and would skip the trained tensor silently"
         for s, t in drops.items()
     ]
+    lines += [f"{s} computes {why}" for s in targets for why in hybrid_differences(s, spec)]
     if lines and not allow_dropped:
         raise ExportError("; ".join(lines) + ": the served model would not be the trained one. "
                           + _way_out(spec, plan))  # fmt: skip
@@ -217,7 +230,8 @@ def check_servers(
 
 def _way_out(spec: LlamaSpec, plan: LayoutPlan) -> str:
     """What to do instead: name the servers that keep every tensor, or allow the drop."""
-    keep = [s for s in SERVERS if layout_refusal(s, plan) is None and not dropped_tensors(s, spec)]
+    keep = [s for s in SERVERS if layout_refusal(s, plan) is None and not dropped_tensors(s, spec)
+            and not hybrid_differences(s, spec)]  # fmt: skip
     allow = "pass --allow-dropped-tensors to export anyway"
     if not keep:
         return allow.capitalize()

@@ -18,19 +18,19 @@ from nvfp4_export.calibrate import amax_from_stats
 from nvfp4_export.checkpoint import QUANT_STATS_ITEM
 from nvfp4_export.errors import ExportError
 from nvfp4_export.expert_scales import resolve_expert_amax
-from nvfp4_export.formats import calibrated_input
+from nvfp4_export.formats import FORMAT_OF_LAYOUT, LAYOUT_NAMES, calibrated_input
 from nvfp4_export.layouts import scale_of_amax
 from nvfp4_export.linears import hf_modules
 from nvfp4_export.manifest import MANIFEST
 from nvfp4_export.model_spec import LlamaSpec
 from nvfp4_export.moe_spec import is_expert_linear
 from nvfp4_export.reload import LoadedExport
-from nvfp4_format.layout_names import LAYOUT_NAMES
 
 
 def has_input_scales(loaded: LoadedExport) -> bool:
-    """The export is W4A4 in a format whose input scales are calibrated (NVFP4)."""
-    return bool(loaded.provenance.get("w4a4")) and calibrated_input(loaded.provenance["format"])
+    """The export is W4A4 with a format whose input scales are calibrated (NVFP4, FP8)."""
+    formats = loaded.provenance.get("formats") or [loaded.provenance["format"]]
+    return bool(loaded.provenance.get("w4a4")) and any(map(calibrated_input, formats))
 
 
 def expected_input_amax(loaded: LoadedExport, quant_stats) -> tuple[dict, str]:
@@ -103,7 +103,7 @@ def _module_problem(loaded: LoadedExport, name: str, source: str, value, origin:
     found = np.float32(np.asarray(loaded.tensors[tensor]).reshape(()))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{tensor} is {found:.9g}, but {origin} holds no input amax for {source}"
-    expected = np.float32(scale_of_amax(np.float32(value), names))
+    expected = np.float32(scale_of_amax(np.float32(value), names, FORMAT_OF_LAYOUT[q.layout]))
     if found.tobytes() == expected.tobytes():
         return None
     return (f"{tensor} is {found:.9g}, expected {expected:.9g} (the scale of {source}'s input "
