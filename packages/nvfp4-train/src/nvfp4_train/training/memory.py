@@ -21,8 +21,9 @@ or with `mesh.expert` > 1 every row its experts could take of the whole batch) a
 buffers: `moe_memory`; its experts' parameters, gradients and optimizer state are split over
 `expert` by the sharding rules. One MoE block's routed experts at a time also hold the dispatch
 buffers, the grouped GEMMs' decoded operands and the float32 combine buffer
-(`moe_memory.routed_buffers`, named in the printed breakdown): a transient like the logits. A BF16 block's linears keep their inputs in the compute dtype without
-remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
+(`moe_memory.routed_buffers`, named in the printed breakdown): a transient like the logits. A
+BF16 block's linears keep their inputs in the compute dtype without remat and recompute them
+with it. With several precision phases (`precision.bf16_forward_from`,
 `precision.schedule`) a block counts as quantized in a phase when its `mlp.down` (MoE: `mlp.experts.down`) linear's
 recipe of that phase quantizes, and the estimate is the phase that keeps the most.
 
@@ -227,14 +228,14 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
     }
     peak = max(saved, key=saved.get)
     logits = 2 * tokens * cfg.model.vocab_size * 4 // sizes["tensor"]
-    moe = _largest_routed_buffers(cfg, phases, sizes, tokens)
-    transient = max(_attention_transient(cfg, sequences, attention), logits, sum(moe.values()))
+    moe = tuple((k, int(v)) for k, v in _largest_routed_buffers(cfg, phases, sizes, tokens).items())
+    routed = sum(v for _, v in moe)
     return dataclasses.replace(
         estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
         peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
-        transient=int(transient), dense_mask=_dense_cudnn_mask(cfg, attention),
-        scan_buffers=_scan_total(cfg, tokens),
-        moe_buffers=tuple((k, int(v)) for k, v in moe.items()),
+        transient=max(_attention_transient(cfg, sequences, attention), logits, routed),
+        dense_mask=_dense_cudnn_mask(cfg, attention), scan_buffers=_scan_total(cfg, tokens),
+        moe_buffers=moe,
     )  # fmt: skip
 
 
