@@ -4,8 +4,10 @@
   2 BF16, block 1 NVFP4) on fsdp=8 under "compute" and "quantized", and a 4-block model whose
   NVFP4 blocks 1-2 are stacked and scanned on fsdp=4 x tensor=2 under "quantized" (the BF16
   blocks gather as under "compute"), give the loss, the logits and every parameter's gradient of
-  "master" bit for bit, but for the final norm's scale gradient where XLA may sum over the tokens
-  in another order (module `weight_gather`'s docstring); the compiled "quantized" step
+  "master" bit for bit, but for the final norm's scale gradient where XLA sums over the tokens in
+  another order (module `weight_gather`'s docstring; in these small models XLA gathers the BF16
+  kernels under "master" too: where it splits their contraction instead, BF16-policy linears
+  differ more, docs/distributed.md); the compiled "quantized" step
   all-gathers exactly the NVFP4 linears' packed codes as uint8 (K * N / 2 bytes per kernel, over
   `tensor` split as the kernel is; once per kernel in the scan body), which "master" never does.
 - Config: the allowed modes; a kernel slice that is not whole 16x16 tiles is refused with one

@@ -18,18 +18,18 @@ product needs the whole of it (along `fsdp`; a `tensor` split stays). Three mode
 
 Unquantized (BF16-policy) linears gather as "compute" under "compute" and "quantized" (there is
 nothing to quantize): the gathered BF16 slices are the BF16 cast of the gathered float32 kernel
-element by element (a cast commutes with a gather), so the forward product has the operands of
-"master". What may differ is the layout XLA's partitioner picks for the activations around such a
-layer when it places the gather itself (measured on XLA:CPU, docs/distributed.md: a last BF16
-block whose output "master" laid out along d_model, where a reduction over the tokens behind it,
-the final norm's scale gradient, then sums in another order: <= 128 ULPs; every other gradient,
-the logits and the loss the same bits).
+element by element (a cast commutes with a gather), and the product is the same expression. What
+differs is that "master" leaves XLA's partitioner free to not gather the kernel: it may split the
+contraction over `fsdp` and all-reduce float32 partial products (another summation order; the
+loss then moves in the 6th digit), or lay the activations around the layer out otherwise (a
+reduction behind it summed in another order). Measured in docs/distributed.md; the quantized
+linears' products, custom_vjps, are the same bits in every mode.
 
 Both explicit gathers run in a `jax.shard_map` over the context mesh (`mesh.sharding.
 trace_context`) on a `stop_gradient` of the kernel; the kernel's gradient bypasses them: the
 product is a custom_vjp whose weight cotangent goes to the local cast (the recipe's Wgrad, from x
 and dY: `nvfp4_ops.prequantized_dot_general`, `product_with_gathered`), so XLA reduces it onto
-the kernel's slices as in "master": the quantized linears give the same bits in all three modes.
+the kernel's slices as in "master".
 """
 
 from __future__ import annotations
