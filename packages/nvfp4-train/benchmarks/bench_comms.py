@@ -10,7 +10,8 @@ input, an all-reduce's operand), by dtype, counted as executed (a collective ins
 times the loop's known trip count). An all-gather whose result is a block linear's kernel
 [K, N], or its packed codes [1, N, K/2] or tile scales [1, N, K/16], counts as a GEMM weight
 gather; everything else (activations, embedding, norms, scalars) as the rest. Each variant also
-runs one step: its loss (the gather modes of one recipe give the same bits).
+runs one step: its loss (the same bits in every mode where every block is quantized; the
+BF16-policy linears' explicit gathers change the partitioning of their GEMMs, see the notes).
 
 XLA:CPU runs BF16 collectives in float32 and FP8 ones in float16: the dtypes are those of the
 compiled CPU program (a BF16 gather counts 4 bytes per element here, 2 on GPUs; E4M3 scales 2
@@ -278,8 +279,8 @@ NOTES = (
     '"GPU widths" column counts the explicit gathers at their own width (BF16 2 bytes, E4M3 '
     '1 byte) and XLA\'s own gathers as compiled. "vs master": that column against the same '
     "recipe's `master` row. The BF16-policy linears (the first and last block under the "
-    "default rule) keep XLA's placement in every mode (docs/distributed.md says why), so only "
-    'the quantized linears\' gathers change; "every block" quantizes all four blocks.',
+    "default rule) gather their BF16 slices under `compute` and `quantized` (nothing to "
+    'quantize); "every block" quantizes all four blocks.',
     "",
     "What XLA may already do on GPUs: its GPU pipeline runs `CollectiveQuantizer` after SPMD "
     "partitioning, which exchanges an all-gather with a following conversion to a narrower "
@@ -289,7 +290,12 @@ NOTES = (
     "run on XLA:CPU, and no pass produces NVFP4 codes (a block computation, not a convert). "
     "What the explicit path guarantees: the gathered buffers are the BF16 slices (`compute`) "
     "or the uint8 codes and E4M3 scales (`quantized`) whatever the partitioner or later passes "
-    "do, with losses and gradients bit-identical to `master` (tests/test_weight_gather.py); "
+    "do; the quantized linears' products are the same bits as under `master`. The BF16-policy "
+    "linears' are not always: under `master` XLA may split a BF16 GEMM's contraction over "
+    "`fsdp` and sum the partial products by an all-reduce (the bf16 rows: 36.18 MiB of "
+    "all-reduces against 6.18 with the explicit gathers), another summation order, so the "
+    "step-1 losses of the bf16 and default-policy rows differ between `master` and the other "
+    "modes in the 6th digit (docs/distributed.md); "
     "the other collectives of the step (activations for the Wgrad GEMMs, gradients, the "
     "optimizer) stay XLA's.",
     "",

@@ -208,8 +208,46 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
         estimate_memory(_moe_cfg(mesh={"data": 1, "expert": -1}), 16)
 
 
-QWEN3_GIB = {"parameters": 2.4, "optimizer": 4.8, "activations": 32.2, "transient": 4.6,
-             "total": 46.5}  # fmt: skip
+ROUTED = ("dispatch: the routed tokens [T, D]", "dispatch: the sorted token rows [R, D]",
+          "grouped GEMM: operands, FP4 copies, float32 decodes and output",
+          "the experts' outputs in assignment order [T k, D]",
+          "combine: the k outputs per token [T, k, D] (float32)")  # fmt: skip
+
+
+def _routed_by_hand(k, tokens=16 * 64, d=64, f=32, experts=8, c=2):
+    """One device's routed-expert buffers of `_moe_cfg` by hand: R = T k rows, padded per expert
+    to 16-row tiles (R_p); the largest GEMM is gate_up's (K = d, N = 2F: R_p (K + N) = 2160 x 128
+    against down's 2160 x 96), each element of its operands and output an FP4 copy and a float32
+    decode (4 + 9/16 bytes), its token tiles in BF16."""
+    rows = tokens * k
+    padded = (rows + experts * 15) // 16 * 16  # 2160 for k = 2
+    gemm = padded * d * c + (padded * (d + 2 * f) + experts * d * 2 * f) * (4 + 9 / 16)
+    values = (tokens * d * c, rows * d * c, gemm, tokens * k * d * c, tokens * k * d * 4)
+    return {name: int(v) for name, v in zip(ROUTED, values, strict=True)}
+
+
+def test_one_moe_block_holds_its_routed_buffers_at_once_named_and_scaling_with_top_k():
+    estimate = estimate_memory(_moe_cfg(), 1, "naive")
+    routed = dict(estimate.moe_buffers)
+    assert routed == _routed_by_hand(2)
+    top4 = dict(estimate_memory(_moe_cfg(experts_per_token=4), 1, "naive").moe_buffers)
+    assert top4 == _routed_by_hand(4)
+    for name in ROUTED[1:2] + ROUTED[3:]:  # the dispatch rows, the outputs, the combine buffer
+        assert top4[name] == 2 * routed[name]
+    assert top4[ROUTED[0]] == routed[ROUTED[0]]  # the tokens do not depend on k
+    assert estimate.transient == sum(routed.values())  # larger than the logits and the scores
+    text = memory.format_estimate(estimate)
+    assert "largest transient: one MoE block's routed experts (below)" in text
+    assert all(name in text for name in ROUTED)
+    ep = dict(estimate_memory(_moe_cfg(mesh={"data": 2, "expert": 4}), 8).moe_buffers)
+    seen = 8 * 2 * 64  # every device's tokens all-gathered: T = 8 T_l; one expert per device
+    assert ep[ROUTED[0]] == seen * 64 * 2 and ep[ROUTED[1]] == seen * 64 * 2  # R = T (k = 2 > 1)
+    assert ep[ROUTED[4]] == seen * 2 * 64 * 4
+    assert not estimate_memory(cfg(), 1).moe_buffers  # a dense model has none
+
+
+QWEN3_GIB = {"parameters": 2.4, "optimizer": 4.8, "activations": 32.2, "transient": 37.0,
+             "total": 78.8}  # fmt: skip
 
 
 def test_the_qwen3_moe_config_estimate_is_the_one_its_comment_states():

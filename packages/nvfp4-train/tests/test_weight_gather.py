@@ -1,10 +1,15 @@
 """`precision.gather` (`model.weight_gather`): what FSDP gathers of each linear's kernel.
 
-- On 8 fake CPU devices (one subprocess, `weight_gather_check.py`), a 3-block model (blocks 0 and
-  2 BF16, block 1 NVFP4) on fsdp=8 and on fsdp=4 x tensor=2: "compute" and "quantized" give the
-  loss, the logits and every parameter's gradient of "master" bit for bit, and the compiled
-  "quantized" step all-gathers exactly the NVFP4 linears' packed codes as uint8 (K * N / 2 bytes
-  per kernel, over `tensor` split as the kernel is), which "master" never does.
+- On 8 fake CPU devices (one subprocess, `weight_gather_check.py`): a 3-block model (blocks 0 and
+  2 BF16, block 1 NVFP4) on fsdp=8 under "compute" and "quantized", and a 4-block model whose
+  NVFP4 blocks 1-2 are stacked and scanned on fsdp=4 x tensor=2 under "quantized" (the BF16
+  blocks gather as under "compute"), give the loss, the logits and every parameter's gradient of
+  "master" bit for bit, but for the final norm's scale gradient where XLA sums over the tokens in
+  another order (module `weight_gather`'s docstring; in these small models XLA gathers the BF16
+  kernels under "master" too: where it splits their contraction instead, BF16-policy linears
+  differ more, docs/distributed.md); the compiled "quantized" step
+  all-gathers exactly the NVFP4 linears' packed codes as uint8 (K * N / 2 bytes per kernel, over
+  `tensor` split as the kernel is; once per kernel in the scan body), which "master" never does.
 - Config: the allowed modes; a kernel slice that is not whole 16x16 tiles is refused with one
   line naming the kernel, the dimension and the mesh; which linears gather how.
 """
@@ -29,22 +34,31 @@ from nvfp4_train.precision.policy import PrecisionConfig
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 D_MODEL, MLP, QKV = 128, 64, (4 + 2 * 2) * 32
 NVFP4_KERNELS = [(D_MODEL, QKV), (D_MODEL, D_MODEL), (D_MODEL, 2 * MLP), (MLP, D_MODEL)]
-"""Block 1's kernels [K, N] (qkv, o, gate_up, down) of weight_gather_check.CFG."""
+"""An NVFP4 block's kernels [K, N] (qkv, o, gate_up, down) of weight_gather_check.CFG."""
+REORDERED = "['final_norm']['scale']"
+"""The one gradient whose float32 sum over the tokens XLA may order differently when the last
+block's BF16 gather is explicit (the module doc)."""
+REORDER_TOLERANCE = 1e-4
+"""max |difference| / max |master's gradient| allowed there: a float32 sum of 128 terms in
+another order moves it by a few 1e-6 of the largest term (measured 4.5e-6)."""
 
 
-def test_every_mode_equals_master_bit_for_bit_and_quantized_gathers_codes():
+def test_every_mode_equals_master_and_quantized_gathers_codes_also_in_scanned_blocks():
     script = Path(__file__).with_name("weight_gather_check.py")
-    meshes = [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}]
+    cases = [{"fsdp": 8}, {"fsdp": 4, "tensor": 2, "scan": True, "modes": ["quantized"]}]
     done = subprocess.run(
-        [sys.executable, str(script), json.dumps(meshes)], capture_output=True, text=True,
+        [sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
         env={**os.environ, **EIGHT}, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
-    for result, sizes in zip(results, meshes, strict=True):
+    for result, case in zip(results, cases, strict=True):
+        assert set(result["differ"]) == set(case.get("modes", ("compute", "quantized")))
         for mode, differ in result["differ"].items():
-            assert not any(differ.values()), (sizes, mode, {k: v for k, v in differ.items() if v})
-        tensor = sizes.get("tensor", 1)
+            others = {k: v for k, v in differ.items() if v and k != REORDERED}
+            assert not others, (case, mode, others)
+            assert result["scaled"][mode][REORDERED] <= REORDER_TOLERANCE, (case, mode)
+        tensor = case.get("tensor", 1)
         codes = sum(k * n // 2 for k, n in NVFP4_KERNELS) // tensor
         assert result["collectives"]["quantized"].get("u8") == codes, result["collectives"]
         assert "u8" not in result["collectives"]["master"]
@@ -74,7 +88,8 @@ def test_which_linears_gather_how():
     assert mode_for("quantized", nvfp4.with_bf16_fprop()) == "compute"
     assert mode_for("quantized", nvfp4_ops.get_recipe("nvfp4-no-2d")) == "compute"
     assert mode_for("compute", nvfp4) == "compute"
-    assert [mode_for(g, bf16) for g in ("master", "compute", "quantized")] == ["master"] * 3
+    modes = [mode_for(g, bf16) for g in ("master", "compute", "quantized")]
+    assert modes == ["master", "compute", "compute"]  # BF16 linears: nothing to quantize
 
 
 def test_show_config_estimates_the_gathers_of_each_mode():

@@ -150,9 +150,13 @@ def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from nvfp4_train.mesh.distributed import initialize_from
+    from nvfp4_train.training.determinism import apply_to_environment
     from nvfp4_train.training.run import run
 
     cfg = load_config(args.config, args.overrides)
+    line = apply_to_environment(cfg, os.environ)  # XLA_FLAGS: before JAX starts its backend
+    if line:
+        print(line, flush=True)
     initialize_from(cfg.distributed, os.environ)  # before JAX touches a device
     run(cfg)
     return 0

@@ -61,6 +61,9 @@ class TrainConfig:
         memory_check: refuse, before compiling or writing anything, a run whose per-device
             memory estimate (`show-config --memory`) exceeds what a device holds (a GPU's memory
             limit, a CPU device's share of the host RAM); false: try anyway.
+        deterministic: XLA's deterministic GPU ops (`--xla_gpu_deterministic_ops=true`, added
+            to XLA_FLAGS by `nvfp4-train run` before JAX starts): true, false, or "auto" (on
+            when the run checkpoints before its last step: `training.determinism`).
     """
 
     steps: int = 300
@@ -73,8 +76,13 @@ class TrainConfig:
     log_every: int = 10
     stop_after_nonfinite: int = 10
     memory_check: bool = True
+    deterministic: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.deterministic, bool) or self.deterministic == "auto"):
+            raise ValueError(
+                f"train.deterministic must be true, false or 'auto', got {self.deterministic!r}"
+            )
         for name, minimum in (("steps", 1), ("batch_size", 1), ("seq_len", 2)):
             _check_min("train", name, getattr(self, name), minimum)
         _check_min("train", "stop_after_nonfinite", self.stop_after_nonfinite, 0)

@@ -16,18 +16,20 @@ product needs the whole of it (along `fsdp`; a `tensor` split stays). Three mode
   weight (a BF16 Fprop phase, 1x16 weight blocks: `nvfp4_ops.prequantized_unsupported`) gather
   as "compute".
 
-Unquantized (BF16-policy) linears gather as "master" in every mode: with an explicit gather in
-front of a plain BF16 `dot_general`, XLA partitions that layer's backward GEMMs differently than
-when it places the gather itself, and on XLA:CPU a few gradient elements of those layers (and of
-what lies before them) then differ from "master" in the last bits (measured: 4 blocks, d_model
-128, fsdp=8: 1 to 330 elements per tensor). The quantized linears' products are custom_vjps
-whose operands XLA must gather whole, and stay bit-identical.
+Unquantized (BF16-policy) linears gather as "compute" under "compute" and "quantized" (there is
+nothing to quantize): the gathered BF16 slices are the BF16 cast of the gathered float32 kernel
+element by element (a cast commutes with a gather), and the product is the same expression. What
+differs is that "master" leaves XLA's partitioner free to not gather the kernel: it may split the
+contraction over `fsdp` and all-reduce float32 partial products (another summation order; the
+loss then moves in the 6th digit), or lay the activations around the layer out otherwise (a
+reduction behind it summed in another order). Measured in docs/distributed.md; the quantized
+linears' products, custom_vjps, are the same bits in every mode.
 
 Both explicit gathers run in a `jax.shard_map` over the context mesh (`mesh.sharding.
 trace_context`) on a `stop_gradient` of the kernel; the kernel's gradient bypasses them: the
 product is a custom_vjp whose weight cotangent goes to the local cast (the recipe's Wgrad, from x
 and dY: `nvfp4_ops.prequantized_dot_general`, `product_with_gathered`), so XLA reduces it onto
-the kernel's slices as in "master", and all three modes give the same bits.
+the kernel's slices as in "master".
 """
 
 from __future__ import annotations
@@ -106,10 +108,10 @@ def check_tiles(plan: GatherPlan, shape: tuple[int, int], what: str) -> None:
 
 def mode_for(gather: str, recipe: nvfp4_ops.Recipe) -> str:
     """The mode a linear of `recipe` gathers in under `precision.gather=gather`: an unquantized
-    linear always as "master" (see the module docstring); under "quantized" a quantized recipe
-    that cannot use a quantized weight as "compute"."""
+    linear as "compute" under "quantized" (nothing to quantize; see the module docstring), and
+    so does a quantized recipe that cannot use a quantized weight."""
     if not recipe.quantized:
-        return "master"
+        return "master" if gather == "master" else "compute"
     if gather == "quantized" and nvfp4_ops.prequantized_unsupported(recipe) is not None:
         return "compute"
     return gather

@@ -4,7 +4,8 @@ For each linear whose kernel the sharding rules split over `fsdp` (the mesh the 
 to for `devices`), one gather brings each device the (fsdp - 1) / fsdp of the kernel it lacks
 (of its `tensor` slice): 4 bytes per element as float32 (`master`), 2 as BF16 (`compute`),
 0.5625 as NVFP4 codes and E4M3 tile scales (`quantized`), each linear in the mode
-`model.weight_gather.mode_for` gives it (BF16-policy linears as `master`) under the base recipes.
+`model.weight_gather.mode_for` gives it (BF16-policy linears in BF16 under `compute` and
+`quantized`) under the base recipes.
 One gather per microbatch forward; XLA may gather a weight again for the backward pass in
 `master` (docs/benchmarks/comms.md measures a compiled step).
 
@@ -91,7 +92,7 @@ def format_gathers(cfg, devices: int) -> str:
     if not any(totals.values()):
         return ""
     lines = ["# FSDP weight gathers per device and microbatch forward (analytic; per element "
-             "4 / 2 / 0.5625 bytes, BF16-policy linears as master):"]  # fmt: skip
+             "4 / 2 / 0.5625 bytes, BF16-policy linears at 2 under quantized):"]  # fmt: skip
     for mode, nbytes in totals.items():
         mark = "   <- precision.gather" if mode == cfg.precision.gather else ""
         lines.append(f"#   {mode:<10} {nbytes / 2**20:10.2f} MiB{mark}")

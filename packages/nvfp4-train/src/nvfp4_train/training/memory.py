@@ -19,8 +19,11 @@ L = seq_len, c = bytes of the compute dtype; 9/16 byte per element is an E2M1 co
 of an E4M3 block scale). An MoE block's MLP keeps its routed experts' rows instead (k per token,
 or with `mesh.expert` > 1 every row its experts could take of the whole batch) and the dispatch
 buffers: `moe_memory`; its experts' parameters, gradients and optimizer state are split over
-`expert` by the sharding rules. A BF16 block's linears keep their inputs in the compute dtype without
-remat and recompute them with it. With several precision phases (`precision.bf16_forward_from`,
+`expert` by the sharding rules. One MoE block's routed experts at a time also hold the dispatch
+buffers, the grouped GEMMs' decoded operands and the float32 combine buffer
+(`moe_memory.routed_buffers`, named in the printed breakdown): a transient like the logits. A
+BF16 block's linears keep their inputs in the compute dtype without remat and recompute them
+with it. With several precision phases (`precision.bf16_forward_from`,
 `precision.schedule`) a block counts as quantized in a phase when its `mlp.down` (MoE: `mlp.experts.down`) linear's
 recipe of that phase quantizes, and the estimate is the phase that keeps the most.
 
@@ -35,7 +38,8 @@ beyond the kernel's workspace (`te`, `cudnn`). Except `cudnn` with document mask
 the mask as a dense [B, 1, L, L] bias in the compute dtype, keeps it for the backward without
 remat (L*c per token), and the backward writes its [B, 1, L, L] gradient, so one block holds the
 boolean mask, the bias and its gradient, L*L*(1 + 2c) per sequence. The largest transient is
-that or the float32 logits and their gradient, whichever is larger.
+that, the float32 logits and their gradient, or an MoE block's routed-expert buffers, whichever
+is largest.
 A hybrid model (`model.pattern`) counts each block by its kind (`mamba_memory`: Mamba blocks with
 the chunked scan's buffers, named in the printed breakdown; attention blocks as the attention
 rows above; MLP blocks, relu2 or SwiGLU; MoE blocks as `moe_memory`).
@@ -60,10 +64,15 @@ from jax.sharding import AbstractMesh
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
 from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense, run_attention
-from nvfp4_train.model.config import block_kinds, block_linear_names
+from nvfp4_train.model.config import block_kinds, block_linear_names, is_moe_block
 from nvfp4_train.precision.policy import precision_phases
 from nvfp4_train.training.mamba_memory import mamba_block_bytes, relu2_mlp_per_token, scan_buffers
-from nvfp4_train.training.moe_memory import dense_mlp_per_token, mlp_correction, moe_mlp_bytes
+from nvfp4_train.training.moe_memory import (
+    dense_mlp_per_token,
+    mlp_correction,
+    moe_mlp_bytes,
+    routed_buffers,
+)
 from nvfp4_train.training.resume import abstract_state
 
 FP4_BYTES = 9 / 16
@@ -94,6 +103,13 @@ class MemoryEstimate:
     scan_buffers: tuple[tuple[str, int], ...] = ()
     """A hybrid model's Mamba blocks: the chunked scan's buffers over all of them, part of
     `activations` (`mamba_memory.scan_buffers`)."""
+    moe_buffers: tuple[tuple[str, int], ...] = ()
+    """One MoE block's routed-expert buffers (`moe_memory.routed_buffers`; empty without MoE);
+    `transient` when their sum is the largest transient."""
+
+    @property
+    def moe_transient(self) -> int:
+        return sum(value for _, value in self.moe_buffers)
 
     @property
     def total(self) -> int:
@@ -212,12 +228,29 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
     }
     peak = max(saved, key=saved.get)
     logits = 2 * tokens * cfg.model.vocab_size * 4 // sizes["tensor"]
+    moe = tuple((k, int(v)) for k, v in _largest_routed_buffers(cfg, phases, sizes, tokens).items())
+    routed = sum(v for _, v in moe)
     return dataclasses.replace(
         estimate, sequences=sequences, seq_len=cfg.train.seq_len, remat=cfg.model.remat,
         peak_phase=peak if len(phases) > 1 else "", activations=int(saved[peak]),
-        transient=max(_attention_transient(cfg, sequences, attention), logits),
+        transient=max(_attention_transient(cfg, sequences, attention), logits, routed),
         dense_mask=_dense_cudnn_mask(cfg, attention), scan_buffers=_scan_total(cfg, tokens),
+        moe_buffers=moe,
     )  # fmt: skip
+
+
+def _largest_routed_buffers(cfg, phases, sizes, tokens: int) -> dict[str, float]:
+    """`moe_memory.routed_buffers` of the MoE block and precision phase whose sum is largest
+    (empty without MoE blocks)."""
+    names = ("mlp.experts.gate_up", "mlp.experts.down")
+    recipes = {
+        tuple(phase.recipes[f"layers.{i}.{name}"] for name in names)
+        for phase in phases
+        for i in range(cfg.model.num_layers)
+        if is_moe_block(cfg.model, i)
+    }
+    candidates = [routed_buffers(cfg, pair, sizes, tokens) for pair in recipes]
+    return max(candidates, key=lambda b: sum(b.values()), default={})
 
 
 def _down_path(model, index: int) -> str:
@@ -265,9 +298,21 @@ _TRANSIENT = {
 
 
 def _transient_name(estimate: MemoryEstimate) -> str:
+    if estimate.moe_buffers and estimate.moe_transient == estimate.transient:
+        return "one MoE block's routed experts (below)"
     if estimate.attention == "cudnn" and estimate.dense_mask:
-        return "cudnn's dense document mask and its gradient"
-    return _TRANSIENT[estimate.attention]
+        return "cudnn's dense document mask and its gradient or the logits"
+    return _TRANSIENT[estimate.attention] + " or the logits"
+
+
+def _moe_lines(estimate: MemoryEstimate) -> list[str]:
+    """The routed-expert buffers' rows under the transient (none without MoE)."""
+    if not estimate.moe_buffers:
+        return []
+    largest = estimate.moe_transient == estimate.transient
+    head = "of which" if largest else "less than the largest transient:"
+    lines = [f"#     {head} one MoE block's routed experts (all counted live at once):"]
+    return lines + [f"#       {k:<62} {v / GIB:9.2f} GiB" for k, v in estimate.moe_buffers]
 
 
 def format_estimate(estimate: MemoryEstimate) -> str:
@@ -280,7 +325,7 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         ("gradients (float32)", estimate.gradients),
         (f"activations kept for backward (remat: {estimate.remat}{phase}, estimate)",
          estimate.activations),
-        (f"largest transient: {_transient_name(estimate)} or the logits", estimate.transient),
+        (f"largest transient: {_transient_name(estimate)}", estimate.transient),
     ]  # fmt: skip
     lines = [
         f"# memory per device on {estimate.devices} devices (mesh {mesh}; "
@@ -292,6 +337,7 @@ def format_estimate(estimate: MemoryEstimate) -> str:
         lines.append("#     of which the Mamba blocks' chunked SSD scans:")
     lines += [f"#       {name:<62} {value / GIB:9.2f} GiB" for name, value in estimate.scan_buffers]
     lines += [f"#   {name:<66} {value / GIB:9.2f} GiB" for name, value in rows[4:]]
+    lines += _moe_lines(estimate)
     lines.append(f"#   {'total':<66} {estimate.total / GIB:9.2f} GiB")
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,27 @@ block, else as `memory` says):
 
 in place of a dense MLP's (d + f) p, (2f + d) c and 3f c per token (`dense_mlp_per_token`).
 
+Beyond what it keeps, one MoE block at a time holds its routed experts' working buffers, the
+largest transient of an MoE model (`routed_buffers`, in the printed breakdown by name; per
+device, T and R as above, k = experts_per_token, E_d the experts one device runs (E without
+expert parallelism), R_p = the grouped GEMM's padded rows, every expert's rows padded to the
+tile of max(alignment, 16) rows (`nvfp4_ops.grouped.layout`), q = 4 + 9/16 for a quantized
+block (an FP4 copy and its float32 decode), all counted live at once:
+
+    dispatch: the routed tokens [T, D]                T d c       (all-gathered with |expert| > 1)
+    dispatch: the sorted token rows [R, D]            R d c
+    grouped GEMM: the largest of the six GEMMs        R_p K c + (R_p (K + N) + E_d K N) q
+      (gate_up K = d, N = 2F; down K = F, N = d):     (BF16: R_p K c + E_d K N c + R_p N 4)
+      its token tiles in the compute dtype, both operands' FP4 copies and float32 decodes (the
+      emulated and xla backends decode them: `nvfp4_ops.grouped.qdot`) and the float32 output
+    the experts' outputs in assignment order [T k, D] T k d c
+    combine: the k outputs per token [T, k, D]         T k d 4     (float32)
+
+Not counted: the backward pass's float32 cotangents of the outputs and the tokens ([T k, D],
+[T, D]), the stochastic-rounding bits of the gradients' GEMM operands, and buffers XLA allocates
+ahead of their use. On XLA:CPU one compiled MoE block's forward and backward holds 2.4-2.6x this
+sum, at every k and T measured (docs/benchmarks/moe_memory.md).
+
 Example:
     >>> from nvfp4_train.config.run_config import config_from_dict
     >>> cfg = config_from_dict({"model": {"moe": {"num_experts": 8, "expert_mlp_dim": 64}},
@@ -39,19 +60,69 @@ from nvfp4_train.model.moe.config import expert_capacity
 from nvfp4_train.model.moe.expert_parallel import local_rows
 
 FP4_BYTES = 9 / 16
+F32 = 4
+MIN_TILE_ROWS = 16
+"""The fewest rows of a grouped GEMM's tile (`nvfp4_ops.grouped.layout.MIN_TILE_ROWS`)."""
+
+
+def device_experts(cfg, sizes: dict[str, int]) -> int:
+    """E_d: the experts one device runs its grouped GEMMs on (all E without expert parallelism;
+    `expert_parallel`'s share of one replica otherwise)."""
+    experts = cfg.model.moe.num_experts
+    if sizes[EXPERT_AXIS] == 1:
+        return experts
+    replicas = math.prod(sizes[a] for a in TOKEN_AXES if a != EXPERT_AXIS)
+    return -(-experts // sizes[EXPERT_AXIS] // replicas)
 
 
 def routed_rows(cfg, sizes: dict[str, int], tokens: int) -> tuple[int, int]:
     """(T: the tokens one device's MoE dispatch sees, R: the rows of its grouped GEMMs) for
     `tokens` tokens per device and microbatch on a mesh of `sizes`."""
     moe = cfg.model.moe
-    k, experts = moe.experts_per_token, moe.num_experts
+    k = moe.experts_per_token
     if sizes[EXPERT_AXIS] == 1:
         return tokens, tokens * k
     seen = tokens * math.prod(sizes[a] for a in TOKEN_AXES)
-    replicas = math.prod(sizes[a] for a in TOKEN_AXES if a != EXPERT_AXIS)
-    per_device = -(-experts // sizes[EXPERT_AXIS] // replicas)
+    per_device = device_experts(cfg, sizes)
     return seen, local_rows(seen, k, per_device, expert_capacity(moe, seen))
+
+
+def padded_rows(rows: int, experts: int, alignment: int) -> int:
+    """R_p: the rows of the grouped GEMM's padded buffer for `rows` rows of `experts` groups
+    (`nvfp4_ops.grouped.layout.GroupShape.rows`: any group sizes fit)."""
+    a = max(alignment, MIN_TILE_ROWS)
+    return max(1, (rows + experts * (a - 1)) // a) * a
+
+
+def _gemm_bytes(cfg, recipe, padded: int, experts: int, k_n: tuple[int, int]) -> float:
+    """One grouped GEMM's buffers (module doc) for a linear [K, N] of `recipe`."""
+    c, (k, n) = jnp.dtype(cfg.model.compute_dtype).itemsize, k_n
+    if recipe.quantized:
+        return padded * k * c + (padded * (k + n) + experts * k * n) * (F32 + FP4_BYTES)
+    return padded * k * c + experts * k * n * c + padded * n * F32
+
+
+def routed_buffers(cfg, recipes, sizes: dict[str, int], tokens: int) -> dict[str, float]:
+    """{buffer: bytes} one device holds at once while one MoE block runs its routed experts
+    (module doc), for `tokens` tokens per device and microbatch on a mesh of `sizes`, the
+    block's experts running `recipes` (gate_up's, down's `nvfp4_ops.Recipe`)."""
+    m, moe = cfg.model, cfg.model.moe
+    c, d, f = jnp.dtype(m.compute_dtype).itemsize, m.d_model, moe.expert_mlp_dim
+    k = moe.experts_per_token
+    seen, rows = routed_rows(cfg, sizes, tokens)
+    experts = device_experts(cfg, sizes)
+    shapes = ((d, 2 * f), (f, d))  # gate_up, down: [K, N]
+    gemm = max(
+        _gemm_bytes(cfg, r, padded_rows(rows, experts, r.alignment), experts, shape)
+        for r, shape in zip(recipes, shapes, strict=True)
+    )
+    return {
+        "dispatch: the routed tokens [T, D]": seen * d * c,
+        "dispatch: the sorted token rows [R, D]": rows * d * c,
+        "grouped GEMM: operands, FP4 copies, float32 decodes and output": gemm,
+        "the experts' outputs in assignment order [T k, D]": seen * k * d * c,
+        "combine: the k outputs per token [T, k, D] (float32)": seen * k * d * F32,
+    }
 
 
 def _per_element(cfg, quantized: bool) -> float:
