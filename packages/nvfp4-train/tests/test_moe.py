@@ -15,6 +15,7 @@ from flax import nnx
 from run_reading import final_state, straight_and_resumed
 
 import nvfp4_ops
+from nvfp4_train.config.loader import to_dict
 from nvfp4_train.config.run_config import config_from_dict
 from nvfp4_train.errors import ConfigError
 from nvfp4_train.model.config import (
@@ -30,6 +31,7 @@ from nvfp4_train.model.moe.dispatch import combine, dispatch, gather_rows
 from nvfp4_train.model.moe.layer import MoEMLP
 from nvfp4_train.model.moe.routing import expert_counts, load_balancing_loss, route
 from nvfp4_train.observe.metrics import read_metrics
+from nvfp4_train.training.resume import check_same_model
 from nvfp4_train.training.run import run
 from nvfp4_train.training.session import load_run_config
 
@@ -115,11 +117,28 @@ def test_dispatch_and_combine_equal_a_per_token_loop(capacity):
         ({"first_dense_layers": 10}, "no block is MoE: model.moe.first_dense_layers=10"),
         ({"dense_layers": (0, 1)}, r"model.moe.dense_layers=\[0, 1\] leave all num_layers=2"),
         ({"layer_freq": 5}, "model.moe.layer_freq=5 and"),
+        ({"dispatch": "ring"}, "model.moe.dispatch must be 'all_to_all' or 'all_gather'"),
     ],
 )
 def test_bad_moe_settings_name_the_key(moe, match):
     with pytest.raises(ValueError, match=match):
         _model_cfg(**moe)
+
+
+def test_a_run_may_resume_with_the_other_expert_exchange(tmp_path):
+    """`model.moe.dispatch` says how expert parallelism moves tokens (same numbers): a checkpoint
+    of either, or of a version without the key, resumes under the other."""
+    section = {"num_experts": 4, "expert_mlp_dim": 16}
+    gather = config_from_dict({"model": {"moe": {**section, "dispatch": "all_gather"}}})
+    default = config_from_dict({"model": {"moe": section}})
+    assert default.model.moe.dispatch == "all_to_all"
+    older = to_dict(default)
+    del older["model"]["moe"]["dispatch"]
+    for cfg, saved in ((default, to_dict(gather)), (gather, to_dict(default)), (gather, older)):
+        check_same_model(cfg, saved, tmp_path)
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts differ"):
+        check_same_model(gather, to_dict(config_from_dict({"model": {"moe": {**section,
+                                                             "num_experts": 8}}})), tmp_path)  # fmt: skip
 
 
 def test_which_blocks_are_moe_and_their_linears():

@@ -2,10 +2,10 @@
 
 Per MoE block and microbatch, one device runs its routed experts on R rows: without expert
 parallelism every assignment of its T_l tokens (R = T_l k, the dispatch buffer); with `mesh.expert`
-> 1 the block gathers the T = T_l x |data fsdp expert| tokens of the whole batch
-(`model.expert_parallel`) and runs its E_d = ceil(E / |expert| / |data fsdp|) experts on the static
-buffer of `expert_parallel.local_rows` (R = min(T min(k, E_d), E_d capacity)): every row its
-experts could take, so the estimate holds however the router balances. By `model.remat` (d = d_model, F =
+> 1 (`model.expert_parallel`) its E_d = ceil(E / |expert| / |data fsdp|) experts take their rows
+of the T = T_l x |data fsdp expert| tokens of the whole batch in the static buffer of
+`expert_layout.local_rows` (R = min(T min(k, E_d), E_d capacity)): every row its experts could
+take, so the estimate holds however the router balances. By `model.remat` (d = d_model, F =
 expert_mlp_dim, S = the shared experts' width, c = compute-dtype bytes, p = 9/16 for a quantized
 block, else as `memory` says):
 
@@ -13,9 +13,10 @@ block, else as `memory` says):
     quantized      the grouped GEMMs' FP4 operands R (d + F) p, the shared experts' T_l (d + S) p
     dots_no_batch  + their outputs R (2F + d) c + T_l (2S + d) c, the router logits T_l E 4
     dots           as dots_no_batch
-    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the gathered tokens T d c,
-                   the dispatched rows R d c, the combined float32 output T d 4) and the router
-                   probabilities T_l E 4
+    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the dispatched rows R d c;
+                   the all-gather exchange's gathered tokens T d c and float32 combined output
+                   T d 4, or the all-to-all's sent and returned rows 2 T_l k d c and combined
+                   output T_l d 4) and the router probabilities T_l E 4
 
 in place of a dense MLP's (d + f) p, (2f + d) c and 3f c per token (`dense_mlp_per_token`).
 
@@ -57,7 +58,7 @@ import jax.numpy as jnp
 from nvfp4_train.mesh_axes import EXPERT_AXIS, TOKEN_AXES
 from nvfp4_train.model.config import is_moe_block
 from nvfp4_train.model.moe.config import expert_capacity
-from nvfp4_train.model.moe.expert_parallel import local_rows
+from nvfp4_train.model.moe.expert_layout import local_rows
 
 FP4_BYTES = 9 / 16
 F32 = 4
@@ -172,5 +173,15 @@ def moe_mlp_bytes(cfg, quantized: bool, sizes: dict[str, int], tokens: int) -> f
         saved += tokens * moe.num_experts * 4
     if remat == "none":
         saved += rows * 3 * f * c + tokens * 3 * s * c
-        saved += seen * d * c + rows * d * c + seen * d * 4 + tokens * moe.num_experts * 4
+        saved += _exchange_bytes(cfg, sizes, tokens, seen) + rows * d * c
+        saved += tokens * moe.num_experts * 4
     return saved
+
+
+def _exchange_bytes(cfg, sizes: dict[str, int], tokens: int, seen: int) -> float:
+    """The token exchange's buffers one device keeps (remat `none`, module doc)."""
+    m = cfg.model
+    c, d = jnp.dtype(m.compute_dtype).itemsize, m.d_model
+    if sizes[EXPERT_AXIS] > 1 and m.moe.dispatch == "all_to_all":
+        return 2 * tokens * m.moe.experts_per_token * d * c + tokens * d * 4
+    return seen * d * c + seen * d * 4

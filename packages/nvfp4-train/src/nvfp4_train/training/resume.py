@@ -65,14 +65,14 @@ def abstract_state(cfg: Config) -> tuple[Any, Any]:
 
 
 IMPLEMENTATION_KEYS = {
-    "model": ("scan_layers", "remat", "init_from", "attention", "attention_block"),
+    "model": ("scan_layers", "remat", "init_from", "attention", "attention_block", "moe.dispatch"),
     "precision": ("backend", "verify_backend", "gather"),
 }
 """Keys that say how a run computes, not what it computes: a run may resume on other ones
 (another machine, another backend, stacked blocks or not, another remat policy, another weight
-gather (same bits): checkpoints are
+gather or expert-parallel token exchange (same bits): checkpoints are
 per layer; the model directory a run started from, which may have moved), so they are not
-compared."""
+compared; a dotted key is one of a nested section."""
 
 COMPARED_SECTIONS = ("model", "precision", "optimizer.loss_scaling")
 """The sections a resumed run must share with its checkpoint: what the model is, how it is
@@ -83,6 +83,16 @@ def _section(tree: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
+
+
+def _pop(tree: dict[str, Any], dotted: str) -> None:
+    """Removes the key `dotted` (`moe.dispatch`: a nested one) from `tree`, if there."""
+    *parents, key = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part)
+        if not isinstance(tree, dict):
+            return
+    tree.pop(key, None)
 
 
 def _differing(mine: dict[str, Any], old: dict[str, Any], prefix: str) -> list[str]:
@@ -111,9 +121,9 @@ def check_same_model(cfg: Config, saved: dict[str, Any], run_dir: Path) -> None:
             default = functools.reduce(getattr, section.split("."), cfg)
             old = {**to_dict(type(default)()), **(old or {})}
         for key in IMPLEMENTATION_KEYS.get(section, ()):
-            mine.pop(key, None)
+            _pop(mine, key)
             if isinstance(old, dict):
-                old.pop(key, None)
+                _pop(old, key)
         if old != mine:
             keys = _differing(mine, old or {}, section)
             raise ConfigError(

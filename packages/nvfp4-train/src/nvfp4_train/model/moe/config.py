@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 
 def _check(ok: bool, key: str, expected: str, actual: object) -> None:
@@ -58,6 +59,11 @@ class MoEConfig:
             rate towards the mean load after every applied step (`+rate` for an expert under the
             mean, `-rate` over it); 0: no bias. The bias is saved with the parameters, never
             trained by the optimizer and restored exactly on resume.
+        dispatch: how expert parallelism (`mesh.expert` > 1) moves the tokens to their experts'
+            devices: `all_to_all` (default; ragged all-to-all of each assignment's row, O(k T_l
+            d) per device) or `all_gather` (all-gather all T tokens, reduce-scatter the outputs,
+            O(T d) per device). Same numbers either way (one device's); no effect without
+            `mesh.expert` > 1; a run may resume with the other.
     """
 
     num_experts: int = 0
@@ -74,9 +80,12 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
+    dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
 
     def __post_init__(self) -> None:
         _check(self.num_experts >= 0, "num_experts", ">= 0 (0: a dense model)", self.num_experts)
+        _check(self.dispatch in ("all_to_all", "all_gather"), "dispatch",
+               "'all_to_all' or 'all_gather'", self.dispatch)  # fmt: skip
         if not self.num_experts:
             return
         _check(1 <= self.experts_per_token <= self.num_experts, "experts_per_token",

@@ -36,18 +36,24 @@ class Dispatch(NamedTuple):
     kept: jax.Array
 
 
-def dispatch(experts_TxK: jax.Array, *, num_experts: int, capacity: int) -> Dispatch:
+def assignment_counts(experts_TxK: jax.Array, num_experts: int) -> jax.Array:
+    """int32 [E]: the assignments of `experts_TxK` [T, k] to each expert."""
+    return jnp.zeros((num_experts,), jnp.int32).at[experts_TxK.reshape(-1)].add(1)
+
+
+def dispatch(experts_TxK: jax.Array, *, num_experts: int, capacity: int | jax.Array) -> Dispatch:
     """Sorts the assignments of `experts_TxK` [T, k] by expert; an expert keeps at most
-    `capacity` of them (the earliest tokens)."""
+    `capacity` of them (the earliest tokens): one number for all, or int32 [E] per expert."""
     flat_A = experts_TxK.reshape(-1)
     count = flat_A.shape[0]
     order = jnp.argsort(flat_A, stable=True).astype(jnp.int32)
     expert_sorted = flat_A[order]
-    counts_E = jnp.zeros((num_experts,), jnp.int32).at[flat_A].add(1)
+    counts_E = assignment_counts(flat_A, num_experts)
     starts_E = jnp.cumsum(counts_E) - counts_E
     rank = jnp.arange(count, dtype=jnp.int32) - starts_E[expert_sorted]
-    kept = rank < capacity
-    if capacity < count:  # dropped assignments behind every kept one, order otherwise kept
+    per_expert = not isinstance(capacity, int)
+    kept = rank < (capacity[expert_sorted] if per_expert else capacity)
+    if per_expert or capacity < count:  # dropped ones behind every kept one, order otherwise kept
         behind = jnp.argsort(jnp.where(kept, expert_sorted, num_experts), stable=True)
         order, kept = order[behind], kept[behind]
     return Dispatch(order, jnp.minimum(counts_E, capacity), kept)

@@ -203,7 +203,7 @@ class MoEMLP(nnx.Module):
             kernels = ((linears[0].kernel[...], 1), (linears[1].kernel[...], 2))  # d_model dims
             done = sharded_routed_experts(mesh, x_TxD, routing, kernels, keys,
                                           _shard_experts(*linears), capacity=capacity,
-                                          dtype=self.dtype)  # fmt: skip
+                                          dtype=self.dtype, exchange=self.moe.dispatch)  # fmt: skip
             if done is not None:
                 out_TxD, amax = done
                 for linear, value in zip(linears, amax, strict=True):
