@@ -2,9 +2,10 @@
 for bit: run as a script with 8 fake CPU devices (test_expert_parallel.py does), prints a JSON
 object: "meshes", per mesh {"mesh": ..., "dispatch": ..., "differ": {what: number of elements
 whose bits differ}, "size": {what: elements}, "dx_error": max |dx - dx_1| / max |dx_1|} (what:
-the output y, its input gradient dx, each parameter's gradient, the experts' input amax), and
-"ragged_all_to_all": the CPU emulation of `jax.lax.ragged_all_to_all` on its docstring's
-example and on a random case against a NumPy transcription of its documented semantics.
+the output y, its input gradient dx, the routing weights' gradient, each parameter's gradient,
+the experts' input amax), and "ragged_all_to_all": the CPU emulation of
+`jax.lax.ragged_all_to_all` on its docstring's example and on a random case against a NumPy
+transcription of its documented semantics.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python expert_parallel_check.py \
         '[{"fsdp": 2, "expert": 2, "tensor": 2, "dispatch": "all_gather"}]'
@@ -53,19 +54,30 @@ def _bits(a) -> np.ndarray:
 
 
 def _grad(moe: MoEConfig, dy, keys):
-    """(value_and_grad of sum(y * dy) over (params, x), with y and the experts' input amax as
-    aux; the params) of the MoE MLP of `moe` (the same params for every `moe.dispatch`)."""
+    """(value_and_grad of sum(y * dy) over (params, x, an addend of the routing weights [T, k]),
+    with y and the experts' input amax as aux; the params) of the MoE MLP of `moe` (the same
+    params for every `moe.dispatch`). The addend's gradient is the routing weights' (the
+    router kernel's sums it over the batch, in another order on a mesh)."""
     cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
                       mlp_dim=64, max_seq_len=16, moe=moe)  # fmt: skip
     recipes = dict.fromkeys(linear_paths(cfg), nvfp4_ops.get_recipe("nvfp4"))
     graphdef, state = nnx.split(MoEMLP(cfg, recipes, "layers.0.mlp", rngs=nnx.Rngs(0)))
 
-    def loss(p, x):
-        y, sown = nnx.capture(nnx.merge(graphdef, p), nnx.Intermediate)(x, keys)
+    def loss(p, x, addend_TxK):
+        model = nnx.merge(graphdef, p)
+        router = model.router
+
+        def routed(x_TxD):
+            routing = router(x_TxD)
+            return routing._replace(weights_TxK=routing.weights_TxK + addend_TxK)
+
+        model.router = routed
+        y, sown = nnx.capture(model, nnx.Intermediate)(x, keys)
         amax = {k: v for k, v in flat_paths(nnx.to_pure_dict(sown)).items() if "experts" in k}
         return jnp.sum(y.astype(jnp.float32) * dy), (y, amax)
 
-    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), nnx.to_pure_dict(state)
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    return grad, nnx.to_pure_dict(state)
 
 
 def main(meshes: list[dict]) -> dict:
@@ -73,24 +85,30 @@ def main(meshes: list[dict]) -> dict:
     dy = jax.random.normal(jax.random.key(2), (8, 16, 32))
     keys = tuple(jax.random.fold_in(jax.random.key(3), i) for i in range(4))
     grad, params = _grad(MOE, dy, keys)
-    one_device = jax.jit(grad)(params, x)
+    one_device = jax.jit(grad)(params, x, _no_addend(x))
     results = [_compare(params, x, dy, keys, one_device, dict(m)) for m in meshes]
     return {"meshes": results, "ragged_all_to_all": _emulation_cases()}
 
 
+def _no_addend(x) -> jax.Array:
+    return jnp.zeros((x.shape[0] * x.shape[1], MOE.experts_per_token), jnp.float32)
+
+
 def _compare(params, x, dy, keys, one_device, mesh_sizes: dict) -> dict:
-    (_, (y1, amax1)), (dp1, dx1) = one_device
+    (_, (y1, amax1)), (dp1, dx1, dw1) = one_device
     dispatch = mesh_sizes.pop("dispatch", MOE.dispatch)
     mesh = make_mesh(MeshConfig(**mesh_sizes), jax.devices())
     grad, _ = _grad(dataclasses.replace(MOE, dispatch=dispatch), dy, keys)
 
-    def sharded(p, x):
+    def sharded(p, x, addend):
         with trace_context(mesh):
-            return grad(p, x)
+            return grad(p, x, addend)
 
-    shardings = (tree_shardings(params, params, mesh), NamedSharding(mesh, P(BATCH_AXES)))
-    (_, (y8, amax8)), (dp8, dx8) = jax.jit(sharded, in_shardings=shardings)(params, x)
-    pairs = {"y": (y8, y1), "dx": (dx8, dx1)}
+    shardings = (tree_shardings(params, params, mesh), NamedSharding(mesh, P(BATCH_AXES)),
+                 NamedSharding(mesh, P()))  # fmt: skip
+    (_, (y8, amax8)), (dp8, dx8, dw8) = jax.jit(sharded, in_shardings=shardings)(params, x,
+                                                                             _no_addend(x))  # fmt: skip
+    pairs = {"y": (y8, y1), "dx": (dx8, dx1), "d routing weights": (dw8, dw1)}
     pairs |= {f"amax {k}": (amax8[k], amax1[k]) for k in amax1}
     for (path, a), b in zip(
         jax.tree_util.tree_flatten_with_path(dp8)[0], jax.tree.leaves(dp1), strict=True

@@ -3,16 +3,17 @@
 - The routed experts of an MoE MLP (4 experts, top-3, a capacity that drops assignments) with the
   all-to-all exchange (the default), on data=2 x expert=4 (two replicas of each one-expert
   shard: one computes it, the other nothing) and on fsdp=2 x expert=2 x tensor=2, equal one
-  device bit for bit: their output, its input gradient, every expert kernel's gradient and the
-  experts' input amax (each expert sees its rows of the whole batch in token order, with its own
-  stochastic-rounding keys; each token's 3 outputs are summed on its own device as on one); only
-  the router's gradient, a sum over the batch that data parallelism splits, differs (FP32
-  summation order). The all-gather exchange (`model.moe.dispatch: all_gather`) on data=2 x
-  expert=4: y, the experts' kernel gradients and amax bit for bit; a token's 3 input gradients
-  are summed across devices in another order: 544 of the 4096 dx elements differ (measured), by
-  at most 0.0058 of the largest (BF16 rounds the sums: 2^-7 relative; tested at 2^-6). The
-  CPU emulation of `jax.lax.ragged_all_to_all` gives its docstring's example and a random case
-  of its documented semantics.
+  device bit for bit: their output, its input gradient, the routing weights' gradient, every
+  expert kernel's gradient and the experts' input amax (each expert sees its rows of the whole
+  batch in token order, with its own stochastic-rounding keys; each token's 3 outputs are summed
+  on its own device as on one); only the router kernel's gradient, a sum over the batch that
+  data parallelism splits, differs (FP32 summation order). The all-gather exchange
+  (`model.moe.dispatch: all_gather`) on data=2 x expert=4: y, the routing weights' and experts'
+  kernel gradients and amax bit for bit; a token's 3 input gradients are summed across devices
+  in another order: 544 of the 4096 dx elements differ (measured), by at most 0.0058 of the
+  largest (BF16 rounds the sums: 2^-7 relative; tested at 2^-6). The CPU emulation of
+  `jax.lax.ragged_all_to_all` gives its docstring's example and a random case of its
+  documented semantics.
 - A tiny NVFP4 MoE run (2 blocks, 4 experts, seq 16) on expert=4 x data=2 (the all-to-all
   exchange) against the same run on one device: step 1 to 1e-6 relative (measured 1.1e-7 with
   the all-gather exchange); later steps drift as data parallelism's do: measured <= 1.6e-4
@@ -73,8 +74,8 @@ def test_the_routed_experts_equal_one_device_bit_for_bit():
     for result in checked["meshes"]:
         differ, size = result["differ"], result["size"]
         assert differ.pop("d router.kernel") < size["d router.kernel"]  # FP32 batch-sum order
-        assert {"y", "dx", "d experts.gate_up.kernel", "d experts.down.kernel",
-                "amax experts.down.input_amax"} <= set(differ)  # fmt: skip
+        assert {"y", "dx", "d routing weights", "d experts.gate_up.kernel",
+                "d experts.down.kernel", "amax experts.down.input_amax"} <= set(differ)  # fmt: skip
         if result["dispatch"] == "all_gather":  # dx: a token's 3 gradients in another order
             assert differ.pop("dx") < size["dx"] // 4 and result["dx_error"] < 2**-6, result
         assert set(differ.values()) == {0}, result

@@ -5,7 +5,9 @@ by expert, keeping token order inside each expert, so that one grouped GEMM
 (`nvfp4_ops.ragged_dot`) runs every expert on its contiguous rows. With a capacity, an expert's
 assignments past it (the later tokens) are dropped: they are moved behind every kept row, where
 the grouped GEMM gives zeros, and their combine weight is zero. The combine is a gather (no
-scatter-add), summing each token's k expert outputs in slot order, so it is deterministic.
+scatter-add), summing each token's k expert outputs in slot order, so it is deterministic; its
+weights' gradient sums over d_model in a fixed order, so a token's bits do not depend on how many
+tokens a call combines (expert parallelism combines each device's own).
 
 Example:
     >>> d = dispatch(jnp.array([[1, 0], [1, 2]]), num_experts=3, capacity=4)
@@ -72,7 +74,34 @@ def combine(y_AxD: jax.Array, weights_TxK: jax.Array, d: Dispatch, dtype) -> jax
     kept_A = jnp.zeros(d.kept.shape, bool).at[d.order].set(d.kept)
     y_TxKxD = y_AxD[inverse].reshape(t, k, -1).astype(jnp.float32)
     w_TxK = jnp.where(kept_A.reshape(t, k), weights_TxK, 0.0)
+    return _slot_sum(y_TxKxD, w_TxK).astype(dtype)
+
+
+@jax.custom_vjp
+def _slot_sum(y_TxKxD: jax.Array, w_TxK: jax.Array) -> jax.Array:
+    """[T, D]: sum over the k slots of y * w, in slot order. Backward: dy = ct w (as autodiff's),
+    dw = the sum over D of ct y in a fixed pairwise order (`_pairwise_sum`): XLA:CPU's reduce
+    adds a row in an order that depends on how many rows there are, so an expert-parallel
+    device's T_l tokens would get other bits than one device's T."""
     out = y_TxKxD[:, 0] * w_TxK[:, 0, None]
-    for j in range(1, k):
+    for j in range(1, w_TxK.shape[1]):
         out = out + y_TxKxD[:, j] * w_TxK[:, j, None]
-    return out.astype(dtype)
+    return out
+
+
+def _slot_sum_bwd(residuals, ct_TxD):
+    y_TxKxD, w_TxK = residuals
+    return ct_TxD[:, None] * w_TxK[..., None], _pairwise_sum(y_TxKxD * ct_TxD[:, None])
+
+
+_slot_sum.defvjp(lambda y, w: (_slot_sum(y, w), (y, w)), _slot_sum_bwd)
+
+
+def _pairwise_sum(x: jax.Array) -> jax.Array:
+    """The sum over the last axis by halving (elementwise adds, whose order XLA keeps: the same
+    bits for a row whatever the other dimensions are)."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        head = x[..., :half] + x[..., half : 2 * half]
+        x = jnp.concatenate([head, x[..., 2 * half :]], axis=-1) if x.shape[-1] % 2 else head
+    return x[..., 0]
