@@ -239,15 +239,19 @@ def test_one_moe_block_holds_its_routed_buffers_at_once_named_and_scaling_with_t
     text = memory.format_estimate(estimate)
     assert "largest transient: one MoE block's routed experts (below)" in text
     assert all(name in text for name in ROUTED)
-    ep = dict(estimate_memory(_moe_cfg(mesh={"data": 2, "expert": 4}), 8).moe_buffers)
-    seen = 8 * 2 * 64  # every device's tokens all-gathered: T = 8 T_l; one expert per device
-    assert ep[ROUTED[0]] == seen * 64 * 2 and ep[ROUTED[1]] == seen * 64 * 2  # R = T (k = 2 > 1)
-    assert ep[ROUTED[4]] == seen * 2 * 64 * 4
+    mesh = {"data": 2, "expert": 4}  # one expert per device: R = the batch's 8 T_l tokens
+    local, batch = 2 * 64, 8 * 2 * 64
+    ep = dict(estimate_memory(_moe_cfg(mesh=mesh), 8).moe_buffers)  # all-to-all: its T_l tokens
+    assert ep[ROUTED[0]] == local * 64 * 2 and ep[ROUTED[1]] == batch * 64 * 2
+    assert ep[ROUTED[4]] == local * 2 * 64 * 4
+    gather = dict(estimate_memory(_moe_cfg(mesh=mesh, dispatch="all_gather"), 8).moe_buffers)
+    assert gather[ROUTED[0]] == batch * 64 * 2 and gather[ROUTED[1]] == batch * 64 * 2
+    assert gather[ROUTED[4]] == batch * 2 * 64 * 4  # every device combines the whole batch
     assert not estimate_memory(cfg(), 1).moe_buffers  # a dense model has none
 
 
-QWEN3_GIB = {"parameters": 2.4, "optimizer": 4.8, "activations": 32.2, "transient": 37.0,
-             "total": 78.8}  # fmt: skip
+QWEN3_GIB = {"parameters": 2.4, "optimizer": 4.8, "activations": 32.2, "transient": 12.4,
+             "total": 54.2}  # fmt: skip
 
 
 def test_the_qwen3_moe_config_estimate_is_the_one_its_comment_states():

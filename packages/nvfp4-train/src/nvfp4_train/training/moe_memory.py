@@ -1,22 +1,23 @@
 """What an MoE block's MLP keeps for the backward pass, for `show-config --memory` (`memory`).
 
-Per MoE block and microbatch, one device runs its routed experts on R rows: without expert
-parallelism every assignment of its T_l tokens (R = T_l k, the dispatch buffer); with `mesh.expert`
-> 1 (`model.expert_parallel`) its E_d = ceil(E / |expert| / |data fsdp|) experts take their rows
-of the T = T_l x |data fsdp expert| tokens of the whole batch in the static buffer of
-`expert_layout.local_rows` (R = min(T min(k, E_d), E_d capacity)): every row its experts could
-take, so the estimate holds however the router balances. By `model.remat` (d = d_model, F =
-expert_mlp_dim, S = the shared experts' width, c = compute-dtype bytes, p = 9/16 for a quantized
-block, else as `memory` says):
+Per MoE block and microbatch, one device dispatches and combines T tokens and runs its routed
+experts on R rows: without expert parallelism T = T_l, its own tokens, and R = T_l k (every
+assignment); with `mesh.expert` > 1 (`model.expert_parallel`) its E_d = ceil(E / |expert| /
+|data fsdp|) experts take their rows of the T_g = T_l x |data fsdp expert| tokens of the whole
+batch in the static buffer of `expert_layout.local_rows` (R = min(T_g min(k, E_d), E_d
+capacity)): every row its experts could take, so the estimate holds however the router
+balances; T is T_l with the all-to-all exchange (`model.moe.dispatch`, the default: it sends
+its own tokens' rows) and T_g with the all-gather one (it gathers the whole batch). By
+`model.remat` (d = d_model, F = expert_mlp_dim, S = the shared experts' width, c =
+compute-dtype bytes, p = 9/16 for a quantized block, else as `memory` says):
 
     full           nothing (the block input is counted with the block)
     quantized      the grouped GEMMs' FP4 operands R (d + F) p, the shared experts' T_l (d + S) p
     dots_no_batch  + their outputs R (2F + d) c + T_l (2S + d) c, the router logits T_l E 4
     dots           as dots_no_batch
-    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the dispatched rows R d c;
-                   the all-gather exchange's gathered tokens T d c and float32 combined output
-                   T d 4, or the all-to-all's sent and returned rows 2 T_l k d c and combined
-                   output T_l d 4) and the router probabilities T_l E 4
+    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the tokens T d c, the
+                   dispatched rows R d c, the combined float32 output T d 4) and the router
+                   probabilities T_l E 4
 
 in place of a dense MLP's (d + f) p, (2f + d) c and 3f c per token (`dense_mlp_per_token`).
 
@@ -27,7 +28,7 @@ expert parallelism), R_p = the grouped GEMM's padded rows, every expert's rows p
 tile of max(alignment, 16) rows (`nvfp4_ops.grouped.layout`), q = 4 + 9/16 for a quantized
 block (an FP4 copy and its float32 decode), all counted live at once:
 
-    dispatch: the routed tokens [T, D]                T d c       (all-gathered with |expert| > 1)
+    dispatch: the routed tokens [T, D]                T d c       (T_g all-gathered, or T_l)
     dispatch: the sorted token rows [R, D]            R d c
     grouped GEMM: the largest of the six GEMMs        R_p K c + (R_p (K + N) + E_d K N) q
       (gate_up K = d, N = 2F; down K = F, N = d):     (BF16: R_p K c + E_d K N c + R_p N 4)
@@ -37,15 +38,22 @@ block (an FP4 copy and its float32 decode), all counted live at once:
     combine: the k outputs per token [T, k, D]         T k d 4     (float32)
 
 Not counted: the backward pass's float32 cotangents of the outputs and the tokens ([T k, D],
-[T, D]), the stochastic-rounding bits of the gradients' GEMM operands, and buffers XLA allocates
-ahead of their use. On XLA:CPU one compiled MoE block's forward and backward holds 2.4-2.6x this
+[T, D]), the stochastic-rounding bits of the gradients' GEMM operands, the all-to-all's sorted
+rows before it sends them ([T_l k, D], fewer than R), and buffers XLA allocates ahead of their
+use. On XLA:CPU one compiled MoE block's forward and backward holds 2.4-2.6x this
 sum, at every k and T measured (docs/benchmarks/moe_memory.md).
 
 Example:
     >>> from nvfp4_train.config.run_config import config_from_dict
     >>> cfg = config_from_dict({"model": {"moe": {"num_experts": 8, "expert_mlp_dim": 64}},
     ...                         "mesh": {"data": 2, "expert": 4}})
-    >>> routed_rows(cfg, {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}, tokens=128)
+    >>> sizes = {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    >>> routed_rows(cfg, sizes, tokens=128)  # all-to-all: its 128 tokens, the 1024 of one expert
+    (128, 1024)
+    >>> gather = config_from_dict({"model": {"moe": {"num_experts": 8, "expert_mlp_dim": 64,
+    ...                                              "dispatch": "all_gather"}},
+    ...                            "mesh": {"data": 2, "expert": 4}})
+    >>> routed_rows(gather, sizes, tokens=128)  # all-gather: the batch's 1024 tokens
     (1024, 1024)
 """
 
@@ -77,15 +85,15 @@ def device_experts(cfg, sizes: dict[str, int]) -> int:
 
 
 def routed_rows(cfg, sizes: dict[str, int], tokens: int) -> tuple[int, int]:
-    """(T: the tokens one device's MoE dispatch sees, R: the rows of its grouped GEMMs) for
-    `tokens` tokens per device and microbatch on a mesh of `sizes`."""
+    """(T: the tokens one device's MoE dispatch holds, R: the rows of its grouped GEMMs) for
+    `tokens` tokens per device and microbatch on a mesh of `sizes` (module doc)."""
     moe = cfg.model.moe
     k = moe.experts_per_token
     if sizes[EXPERT_AXIS] == 1:
         return tokens, tokens * k
-    seen = tokens * math.prod(sizes[a] for a in TOKEN_AXES)
-    per_device = device_experts(cfg, sizes)
-    return seen, local_rows(seen, k, per_device, expert_capacity(moe, seen))
+    batch = tokens * math.prod(sizes[a] for a in TOKEN_AXES)
+    rows = local_rows(batch, k, device_experts(cfg, sizes), expert_capacity(moe, batch))
+    return (tokens if moe.dispatch == "all_to_all" else batch), rows
 
 
 def padded_rows(rows: int, experts: int, alignment: int) -> int:
@@ -173,15 +181,5 @@ def moe_mlp_bytes(cfg, quantized: bool, sizes: dict[str, int], tokens: int) -> f
         saved += tokens * moe.num_experts * 4
     if remat == "none":
         saved += rows * 3 * f * c + tokens * 3 * s * c
-        saved += _exchange_bytes(cfg, sizes, tokens, seen) + rows * d * c
-        saved += tokens * moe.num_experts * 4
+        saved += seen * d * c + rows * d * c + seen * d * 4 + tokens * moe.num_experts * 4
     return saved
-
-
-def _exchange_bytes(cfg, sizes: dict[str, int], tokens: int, seen: int) -> float:
-    """The token exchange's buffers one device keeps (remat `none`, module doc)."""
-    m = cfg.model
-    c, d = jnp.dtype(m.compute_dtype).itemsize, m.d_model
-    if sizes[EXPERT_AXIS] > 1 and m.moe.dispatch == "all_to_all":
-        return 2 * tokens * m.moe.experts_per_token * d * c + tokens * d * 4
-    return seen * d * c + seen * d * 4
