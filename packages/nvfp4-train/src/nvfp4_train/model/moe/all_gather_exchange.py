@@ -12,8 +12,9 @@
 
 The transposes are the backward pass: all-gather the output gradient (each expert sees the
 gradient of all its rows), reduce-scatter dx. A token's k expert outputs (and input gradients)
-are summed across devices by the reduce-scatter, in another order than one device's combine:
-exact for top-2 (a + b either way), FP32/BF16 rounding of the sum beyond. Each device moves
+are summed across devices by the reduce-scatter, in another way than one device's combine:
+last-bit FP32/BF16 differences (measured: dx at top-3; 3 of 131,072 outputs at top-2, 8
+experts, d_model 128). Each device moves
 O(T d) per block whatever k is (the whole batch), where the all-to-all
 (`all_to_all_exchange`) moves O(k T_l d).
 """

@@ -61,8 +61,9 @@ class MoEConfig:
             trained by the optimizer and restored exactly on resume.
         dispatch: how expert parallelism (`mesh.expert` > 1) moves the tokens to their experts'
             devices: `all_to_all` (default; ragged all-to-all of each assignment's row, O(k T_l
-            d) per device) or `all_gather` (all-gather all T tokens, reduce-scatter the outputs,
-            O(T d) per device). Same numbers either way (one device's); no effect without
+            d) per device; the routed experts compute one device's bits) or `all_gather`
+            (all-gather all T tokens, reduce-scatter the outputs, O(T d) per device; a token's
+            outputs summed across devices, last-bit differences). No effect without
             `mesh.expert` > 1; a run may resume with the other.
     """
 

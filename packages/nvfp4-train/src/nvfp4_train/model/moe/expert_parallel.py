@@ -24,8 +24,9 @@ zeros: exact).
 The shard_map runs with `check_vma=False` (nvfp4_ops' grouped GEMM loops are not typed for
 device-varying values); the devices along `tensor` compute the same thing, so two custom
 transposes keep their gradients one device's (`_one_copy_gradient`, `_tensor_columns`). The
-experts' outputs, input gradients, kernel gradients and input amax equal a single device's bit
-for bit with either exchange (tests/test_expert_parallel.py).
+experts' outputs, input gradients, routing-weight and kernel gradients and input amax equal a
+single device's bit for bit with the all-to-all exchange; the all-gather one sums a token's
+outputs and input gradients across devices (last-bit differences; tests/test_expert_parallel.py).
 
 The expert-parallel path is taken when the function is traced under a mesh context
 (`jax.sharding.use_abstract_mesh`, which the train and eval steps set from their `mesh`:
