@@ -27,7 +27,7 @@ and ignores zeros appended to its contraction (true of XLA:CPU, tested; see
 no data-dependent shape or trip count, no `jax.lax.ragged_dot`.
 
 Backends (`backend=`): "emulated" (exact, any device: FP32 dots, Fprop/Dgrad over blocks of each
-group's rows, Wgrad in one window per group; ~1.2x one dense call's GEMM work for the rows, up to
+group's rows, Wgrad in one window per group; < 1.25x one dense call's GEMM work for the rows, up to
 ~1.19 H_E x for Wgrad), "xla" (the same quantized operands as BF16 values, exact, with FP32
 outer scales applied to the output: batched BF16 GEMMs with FP32 accumulation, which XLA runs on
 tensor cores on GPUs; Wgrad as per-block partial products summed per group; equal to "emulated"
@@ -80,8 +80,7 @@ def ragged_dot(
       group_sizes: int32 [E], rows per group (a traced value is fine); sum at most T (larger
         sums are cut at T).
       recipe: a `Recipe` or a preset name. One that quantizes nothing ("bf16") runs
-        `lax.dot_general` per group with JAX's own gradient GEMMs (on "xla" dW summed over
-        blocks in FP32, `grouped.unquantized`).
+        `lax.dot_general` per group with JAX's own gradient GEMMs (`grouped.unquantized`).
       key: PRNG key for stochastic rounding; required when the recipe uses it.
       backend: "emulated", "xla", "te" (refused), "auto" or a tuple tried in order (the module
         docstring, "Backends").
@@ -106,9 +105,7 @@ def ragged_dot(
     key = as_key(key, recipe)
     out_dtype = np.dtype(preferred_element_type or jnp.result_type(x, w))
     if x.shape[0] == 0:  # nothing to quantize: the (empty) product, zero gradients
-        return jax.lax.dot_general(
-            x, w[0], (((1,), (0,)), ((), ())), preferred_element_type=out_dtype
-        )
+        return jnp.matmul(x, w[0], preferred_element_type=out_dtype)
     compute_dtype = np.dtype(jnp.result_type(x.dtype, w.dtype))
     call = Call(recipe, 1, compute_dtype, out_dtype, operand_devices(x, w), grouped=True)
     name = select_backend(backend, call)

@@ -14,11 +14,12 @@ and the experimental cuDNN fusion is on (docs/ops.md, "Grouped GEMM"). The machi
 - `rows_by_group`: each group's tiles in blocks of m tiles (`blocks`), ONE batched GEMM over the
   blocks with each block's group's rhs (gathered per block): every row computed once, plus at
   most E (m - 1) padding tiles; a one-row group of an alignment-1 recipe once more on its own.
-- `by_group`: each group in ONE window from its first tile, zeros after it (`by_group`): the
-  groups sorted by size fill slots whose static windows bound the i-th largest group
-  (`GroupShape.wgrad_levels`), one batched GEMM per window length: ~1.19 tiles H_E of work.
+- `by_group`: each group in ONE window from its first tile, zeros after it: the groups sorted
+  by size fill slots whose static windows bound the i-th largest group
+  (`GroupShape.wgrad_levels`), one batched GEMM per window length: up to ~1.19 tiles H_E of
+  work (H_E = 1 + 1/2 + ... + 1/E), the price of one window per group with static shapes.
 - `by_block`: each block's partial product (one batched GEMM), summed per group
-  (`segment_sum`): ~1.1x the tiles of work, then E + tiles / m partial results to add.
+  (`segment_sum`): < 1.25x the tiles of work, then < 5 E partial results to add.
 
 "emulated" (float32 operands, `operands.decode_*`): FP32 `dot_general`s (precision HIGHEST) of
 the form the dense emulated GEMM runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last

@@ -141,7 +141,8 @@ def _scaled(q: Any, op: OperandQuant) -> ScaledOperand:
     if pair in BF16_EXACT:
         return ScaledOperand(unit.astype(jnp.bfloat16), scale)
     kinds = " x ".join(str(d) for d in pair if d is not None)
-    return ScaledOperand(unit, scale, f"{op.name} holds {kinds} values ({op.tq.fmt})")
+    role = op.tq.fmt if op.tq.quantized else "unquantized"
+    return ScaledOperand(unit, scale, f"{op.name} holds {kinds} values ({role})")
 
 
 def scaled_tokens(q: Any, op: OperandQuant) -> ScaledOperand:

@@ -14,7 +14,7 @@ as in its dense call):
 so that it equals a loop of dense calls bit for bit under the same assumptions as the quantized
 GEMMs (`nvfp4_ops.grouped.gemm`), as batched GEMMs with no loop. `backend="xla"`
 (`PlainConfig.blocked`) computes dW_e instead as per-block products in float32 summed per group
-(`gemm.by_block`: less work than one window per group, ~1.1x one dense call, equal up to the
+(`gemm.by_block`: less work than one window per group, < 1.25x one dense call, equal up to the
 FP32 summation order and one rounding to w's dtype).
 """
 
