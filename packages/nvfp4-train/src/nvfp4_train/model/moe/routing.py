@@ -72,8 +72,8 @@ def route(
     _, experts_TxK = jax.lax.top_k(choice, k)
     weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
     if norm_topk_prob:
-        eps = 1e-20 if router == "sigmoid" else 0.0
-        weights_TxK = weights_TxK / (jnp.sum(weights_TxK, axis=-1, keepdims=True) + eps)
+        total_Tx1 = jnp.sum(weights_TxK, axis=-1, keepdims=True)
+        weights_TxK = weights_TxK / (total_Tx1 + 1e-20 if router == "sigmoid" else total_Tx1)
     if routed_scaling_factor != 1.0:
         weights_TxK = weights_TxK * routed_scaling_factor
     return Routing(experts_TxK.astype(jnp.int32), weights_TxK, probs_TxE, logits_TxE)
