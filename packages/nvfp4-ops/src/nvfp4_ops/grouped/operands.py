@@ -101,7 +101,7 @@ def decode_tokens(q: Any, op: OperandQuant) -> jax.Array:
 BF16_EXACT = frozenset(
     (jnp.dtype(elements), None if scales is None else jnp.dtype(scales))
     for elements, scales in (
-        (jnp.float4_e2m1fn, jnp.float8_e4m3fn),  # NVFP4: 2 x 4 significant bits, >= 2^-10
+        (jnp.float4_e2m1fn, jnp.float8_e4m3fn),  # NVFP4: 2 + 4 significant bits, >= 2^-10
         (jnp.float4_e2m1fn, jnp.float8_e8m0fnu),  # MXFP4: 2 bits, 2^-128 .. 1.5 2^127
         (jnp.float8_e4m3fn, None),  # FP8 elements, their tensor scale apart
         (jnp.float8_e5m2, None),
