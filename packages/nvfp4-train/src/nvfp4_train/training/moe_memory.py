@@ -97,6 +97,16 @@ def padded_rows(rows: int, experts: int, alignment: int) -> int:
     return max(1, (rows + experts * (a - 1)) // a) * a
 
 
+def expert_width(cfg) -> int:
+    """w: the routed experts' input and output width (d_model, or LatentMoE's latent)."""
+    return cfg.model.moe.latent_dim or cfg.model.d_model
+
+
+def first_linear_outputs(moe) -> int:
+    """g: the experts' first linear's outputs per hidden unit (2: SwiGLU's gate | up; 1: relu2)."""
+    return 2 if moe.expert_activation == "swiglu" else 1
+
+
 def _gemm_bytes(cfg, recipe, padded: int, experts: int, k_n: tuple[int, int]) -> float:
     """One grouped GEMM's buffers (module doc) for a linear [K, N] of `recipe`."""
     c, (k, n) = jnp.dtype(cfg.model.compute_dtype).itemsize, k_n
@@ -112,8 +122,7 @@ def routed_buffers(cfg, recipes, sizes: dict[str, int], tokens: int) -> dict[str
     the experts' width (LatentMoE: the latent)."""
     m, moe = cfg.model, cfg.model.moe
     c, f = jnp.dtype(m.compute_dtype).itemsize, moe.expert_mlp_dim
-    d = moe.latent_dim or m.d_model  # the experts' width (LatentMoE: the latent)
-    g = 2 if moe.expert_activation == "swiglu" else 1
+    d, g = expert_width(cfg), first_linear_outputs(moe)
     k = moe.experts_per_token
     seen, rows = routed_rows(cfg, sizes, tokens)
     experts = device_experts(cfg, sizes)
@@ -168,8 +177,7 @@ def moe_mlp_bytes(cfg, quantized: bool, sizes: dict[str, int], tokens: int) -> f
         moe.expert_mlp_dim,
         moe.shared_mlp_dim,
     )
-    w, lat = moe.latent_dim or d, moe.latent_dim  # the experts' width, the latent (0: none)
-    g = 2 if moe.expert_activation == "swiglu" else 1  # first linear's outputs per hidden unit
+    w, lat, g = expert_width(cfg), moe.latent_dim, first_linear_outputs(moe)
     seen, rows = routed_rows(cfg, sizes, tokens)
     if remat == "full":
         return 0
