@@ -12,6 +12,8 @@ round after a warm-up. Prints a table and writes JSON (default
 docs/benchmarks/grouped_gemm.json). No timing is asserted anywhere.
 
   python packages/nvfp4-ops/benchmarks/bench_grouped.py [--repeats 7] [--backend emulated]
+      [--shapes T,K,N,E ...] [--recipes nvfp4 bf16] [--variants grouped loop dense]
+      [--label TEXT] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ MATMUL = (((1,), (0,)), ((), ()))
 SHAPES = ((2048, 256, 256, 8), (8192, 256, 256, 8), (4096, 256, 256, 32))
 """(T, K, N, E). T counts routed rows (top-2 of T/2 tokens)."""
 RECIPES = ("nvfp4", "bf16")
+VARIANTS = ("grouped", "loop", "dense")
 
 
 def top2_group_sizes(tokens: int, experts: int, seed: int = 0) -> tuple[int, ...]:
@@ -94,7 +97,7 @@ def steps(recipe: str, sizes: tuple[int, ...], backend: str) -> dict:
     return {"grouped": grouped, "loop": loop, "dense": dense}
 
 
-def bench(shape, recipe: str, repeats: int, backend: str) -> dict:
+def bench(shape, recipe: str, repeats: int, backend: str, variants=VARIANTS) -> dict:
     tokens, k, n, experts = shape
     sizes = top2_group_sizes(tokens, experts)
     kx, kw, kd, key = jax.random.split(jax.random.key(0), 4)
@@ -102,7 +105,7 @@ def bench(shape, recipe: str, repeats: int, backend: str) -> dict:
     w = (jax.random.normal(kw, (experts, k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
     dy = (jax.random.normal(kd, (tokens, n), jnp.float32) * 0.01).astype(jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    fns = steps(recipe, sizes, backend)
+    fns = {v: f for v, f in steps(recipe, sizes, backend).items() if v in variants}
     args = {
         "grouped": (x, w, group_sizes, key, dy),
         "loop": (x, w, key, dy),
@@ -114,35 +117,42 @@ def bench(shape, recipe: str, repeats: int, backend: str) -> dict:
         jax.block_until_ready(fn(*args[name]))  # compile + warm-up
         compile_s[name] = time.perf_counter() - t0
     times = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args[name]))
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     padded = sum(-(-g // 16) * 16 for g in sizes)
     return {
         "tokens": tokens, "k": k, "n": n, "experts": experts, "group_sizes": list(sizes),
         "padded_rows": padded, "recipe": recipe, "backend": backend, "repeats": repeats,
         "median_ms": {v: 1e3 * statistics.median(t) for v, t in times.items()},
         "min_ms": {v: 1e3 * min(t) for v, t in times.items()},
+        "median_cpu_ms": {v: 1e3 * statistics.median(t) for v, t in cpu.items()},
         "first_call_s": compile_s,
     }  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
+    """Wall-clock medians (ms) per variant, the process CPU time of the grouped call (all
+    threads; steadier than wall time on a shared machine) and the ratios ("-": not run)."""
     head = (
-        f"{'T':>5} {'K':>4} {'N':>4} {'E':>3} {'recipe':7} {'grouped ms':>11} {'loop ms':>9} "
-        f"{'dense ms':>9} {'loop/grouped':>13} {'grouped/dense':>14}"
+        f"{'T':>5} {'K':>4} {'N':>4} {'E':>3} {'recipe':7} {'grouped ms':>11} {'cpu ms':>8} "
+        f"{'loop ms':>9} {'dense ms':>9} {'loop/grouped':>13} {'grouped/dense':>14}"
     )
     lines = [head]
+    nan = float("nan")
     for r in rows:
-        m = r["median_ms"]
+        m = {v: r["median_ms"].get(v, nan) for v in VARIANTS}
         lines.append(
             f"{r['tokens']:>5} {r['k']:>4} {r['n']:>4} {r['experts']:>3} {r['recipe']:7} "
-            f"{m['grouped']:>11.1f} {m['loop']:>9.1f} {m['dense']:>9.1f} "
+            f"{m['grouped']:>11.1f} {r['median_cpu_ms'].get('grouped', nan):>8.1f} "
+            f"{m['loop']:>9.1f} {m['dense']:>9.1f} "
             f"{m['loop'] / m['grouped']:>13.2f} {m['grouped'] / m['dense']:>14.2f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines).replace("nan", "  -")
 
 
 def main() -> None:
@@ -150,17 +160,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--backend", default="emulated")
     p.add_argument("--shapes", nargs="*", help="T,K,N,E (default: the module's SHAPES)")
+    p.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    p.add_argument("--label", default="", help="what code was measured (kept in the JSON)")
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--json", default="docs/benchmarks/grouped_gemm.json")
     args = p.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     rows, load_before = [], os.getloadavg()
     for shape in shapes:
-        for recipe in RECIPES:
-            rows.append(bench(shape, recipe, args.repeats, args.backend))
+        for recipe in args.recipes:
+            rows.append(bench(shape, recipe, args.repeats, args.backend, tuple(args.variants)))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print("\n" + table(rows))
     out = {
         "what": "forward + both gradients (jax.vjp, jitted), median of interleaved repeats",
+        "label": args.label,
         "jax": jax.__version__,
         "device": str(jax.devices()[0].device_kind),
         "machine": platform.machine(),

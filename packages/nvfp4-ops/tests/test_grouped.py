@@ -210,8 +210,8 @@ def test_stochastic_rounding_needs_a_threefry_key():
 
 @pytest.mark.parametrize("recipe", ["nvfp4-no-sr", "nvfp4-naive", "fp8"])
 def test_xla_agrees_with_emulated_for_round_to_nearest(recipe):
-    # The same quantized operands; jax.lax.ragged_dot_general sums in another order only (the
-    # statistical comparison of stochastic presets is verify_backend's grouped case).
+    # The same quantized operands; the xla GEMMs sum in another order and apply the outer scales
+    # to the sums (the statistical comparison of stochastic presets is verify_backend's).
     sizes = jnp.array(SIZES, jnp.int32)
     got = grouped_step(recipe, "xla")(X, W, sizes, None, DY)
     want = grouped_step(recipe)(X, W, sizes, None, DY)

@@ -1,6 +1,6 @@
 """Hybrid Mamba-Transformer models (`model.pattern`): the config's checks, one mixer per block,
-packed documents that never see each other through any mixer, presets, and a tiny NVFP4 hybrid
-run that resumes bit for bit."""
+packed documents that never see each other through any mixer, presets, and a tiny NVFP4
+Nemotron-3-style hybrid run (Nemotron 3 MoE, MTP layers) that resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from nvfp4_train.model.blocks.mamba_config import MambaConfig
 from nvfp4_train.model.config import ModelConfig, block_params, linear_paths
 from nvfp4_train.model.decoder import Llama
 from nvfp4_train.model.moe.config import MoEConfig
+from nvfp4_train.observe.metrics import read_metrics
 from nvfp4_train.precision.policy import PrecisionConfig, layer_recipe_names
 from nvfp4_train.training.run import run
 
@@ -143,12 +144,22 @@ def test_an_override_on_the_conv_or_the_scan_is_refused():
             layer_recipe_names(cfg, PrecisionConfig(overrides=(override,)))
 
 
+NEMOTRON3_MOE = {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 16,
+                 "shared_experts": 1, "shared_expert_mlp_dim": 32, "router": "sigmoid",
+                 "routed_scaling_factor": 2.5, "expert_activation": "relu2", "latent_dim": 16,
+                 "bias_update_rate": 0.01}  # fmt: skip
+"""Nemotron 3's MoE, tiny: sigmoid router with scaled weights (one group, as Nano), squared-ReLU
+experts and shared expert, LatentMoE (Super), aux-loss-free balancing (grouped top-k:
+test_nemotron3.py)."""
 HYBRID_RUN = {
-    "model": {**HYBRID, "pattern": "M*-M"},
+    "model": {**HYBRID, "pattern": "M*E-", "moe": NEMOTRON3_MOE,
+              "mtp": {"num_layers": 1, "pattern": "*E", "loss_scaling_factor": 0.3}},
     "train": {"steps": 4, "log_every": 1, "eval_every": 2, "batch_size": 4, "seq_len": 16},
     "checkpoint": {"every_steps": 2, "keep": 3},
     "logging": {"progress": "plain", "tensorboard": False},
-}
+}  # fmt: skip
+"""A Nemotron-3-style hybrid (Mamba, attention, Nemotron 3 MoE, squared-ReLU MLP) with one MTP
+module (attention, MoE) trained with the nvfp4 recipe."""
 
 
 @pytest.fixture(scope="module")
@@ -159,17 +170,30 @@ def hybrid_runs(tmp_path_factory, tiny_config):
 
 
 def test_hybrid_run_resumes_bit_identically(hybrid_runs):
+    """Router bias and MTP layers included; the bias moved, the MTP loss is its own metric."""
     straight, resumed = (final_state(d) for d in hybrid_runs)
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), straight, resumed)
     assert all(jax.tree.leaves(same))
-    amax = straight.activation_amax["layers"]["0"]["mamba"]
-    assert float(amax["in_proj"]) > 0 and float(amax["out_proj"]) > 0
+    amax = straight.activation_amax
+    assert float(amax["layers"]["0"]["mamba"]["in_proj"]) > 0
+    assert float(amax["mtp"]["layers"]["0"]["eh_proj"]) > 0
+    assert float(amax["layers"]["2"]["mlp"]["fc1_latent_proj"]) > 0
+    rows = [r for r in read_metrics(hybrid_runs[0] / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 4 and all(np.isfinite(r["mtp_loss"]) for r in rows)
+    assert rows[-1]["mtp_loss"] != rows[-1]["loss"]
+    for block, router in (
+        ("layers.2", straight.params["layers"]["2"]["mlp"]["router"]),
+        ("mtp.layers.1", straight.params["mtp"]["layers"]["1"]["mlp"]["router"]),
+    ):
+        # each step moved the bias by +-rate towards the mean share (1/4) of that step's load
+        moves = [np.sign(0.25 - np.asarray(r["moe"][block]["load"])) for r in rows]
+        assert np.any(moves)
+        np.testing.assert_allclose(router["score_bias"], 0.01 * np.sum(moves, axis=0), atol=1e-6)
 
 
 def test_a_changed_pattern_cannot_resume(hybrid_runs, tiny_config):
-    changed = config_from_dict(
-        tiny_config(hybrid_runs[0], **{**HYBRID_RUN, "model": {**HYBRID, "pattern": "MM-M"}})
-    )
+    model = {**HYBRID_RUN["model"], "pattern": "MME-"}
+    changed = config_from_dict(tiny_config(hybrid_runs[0], **{**HYBRID_RUN, "model": model}))
     with pytest.raises(ConfigError, match="model.pattern differ"):
         run(dataclasses.replace(changed, train=dataclasses.replace(changed.train, steps=6)),
             stream=io.StringIO())  # fmt: skip

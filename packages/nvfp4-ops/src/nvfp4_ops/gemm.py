@@ -61,8 +61,8 @@ def xla_gemm(
             out = _block_scaled_dot(a, b, sa, sb)
         else:
             out = jax.lax.dot_general(
-                _unit_values(a, sa),
-                _unit_values(b, sb),
+                unit_values(a, sa),
+                unit_values(b, sb),
                 _LAST,
                 precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32,
@@ -98,7 +98,7 @@ def _block_scaled_dot(a, b, sa, sb) -> jax.Array:
     )  # fmt: skip
 
 
-def _unit_values(vals: jax.Array, scales: jax.Array | None) -> jax.Array:
+def unit_values(vals: jax.Array, scales: jax.Array | None) -> jax.Array:
     """Element values times their block scales (no global scale), float32."""
     v = vals.astype(jnp.float32)
     if scales is None:

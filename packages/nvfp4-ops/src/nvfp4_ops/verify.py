@@ -97,17 +97,23 @@ class Case:
         return {"y": self.k, "dx": self.n, "dw": tokens}
 
 
+GROUPED_SIZES = (*((0, 1, 40, 0, 37, 5, 16, 3) * 16)[:127], 200)
+"""Rows of the 128 experts of the grouped case: empty experts (one in four), one-row ones, uneven
+sizes from 1 to 200 rows, 1829 rows in all; the last expert spans 13 tiles (and as many of the
+xla backend's GEMM blocks, whose partial Wgrad products are then summed)."""
+
 BATTERY = (
     Case("aligned", 256, 256, 256),
     Case("unaligned", 100, 40, 72),
     Case("batched", 48, 16, 64, batch=2),
-    Case("grouped", 100, 48, 80, group_sizes=(40, 0, 1, 37)),
+    Case("grouped", 1851, 48, 80, group_sizes=GROUPED_SIZES),
 )
 """The shapes. Zero-padded to the recipe's 16, the contractions of the three GEMMs (K for Fprop,
 N for Dgrad, M for Wgrad) include 16, 48, 80 and 112: the sizes that are 16 mod 32, which GPU
 block-scaled GEMMs reading 32 FP4 codes per aligned row cannot take unpadded (the xla backend
-pads them to 32 on a GPU, TE to `te_alignment`). The grouped case has an empty group, a group of
-one row, uneven groups and 22 padding rows; its Wgrad contracts 48, 16 and 48 padded tokens."""
+pads them to 32 on a GPU, TE to `te_alignment`). The grouped case is a Mixture-of-Experts layer
+of 128 experts (`GROUPED_SIZES`) with 22 padding rows; its Wgrad contracts 16 to 208 padded
+tokens per expert."""
 
 
 @dataclasses.dataclass(frozen=True)

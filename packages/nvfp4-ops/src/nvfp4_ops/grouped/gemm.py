@@ -1,144 +1,110 @@
-"""The three GEMMs of a grouped call on decoded operands, per backend.
+"""The three GEMMs of a grouped call, per backend: static shapes, batched GEMMs, no loop.
 
-Two shapes of grouped GEMM (operands float32, as the dense GEMMs decode them):
+Two shapes of grouped GEMM:
 - `rows`: Fprop and Dgrad. lhs tiles [tiles, a, C] (x or dY in the padded buffer), rhs per group
   [E, Q, C]; every row of group e is contracted over C with rhs[e]: out tiles [tiles, a, Q].
 - `wgrad`: lhs tiles [tiles, R1, a] and rhs tiles [tiles, R2, a] (x^T, dY^T); each group is
   contracted over its own tokens: out [E, R1, R2].
 
-"emulated": FP32 `dot_general`s (precision HIGHEST) of exactly the form the dense emulated GEMM
-runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last axes), in static-length pieces
-of the padded buffer, one loop per length (no data-dependent shapes):
-- rows: each group's tiles in power-of-two pieces (`row_pieces`): every row computed once
-  (`rows_by_group`; a one-row group of an alignment-1 recipe once more as a one-row product);
-- Wgrad: each group in ONE window from its first tile (`wgrad_windows`), the shortest of
-  `GroupShape.window_tiles` that holds it (<= 1.19x its tokens past 8 tiles), zeros after it.
-The result is the dense calls' bit for bit as long as XLA's FP32 dot gives (i) each output row
-independently of the other rows and of how many there are (two or more: one row is a
-matrix-vector product), and (ii) the same sum when zeros are appended to the contraction (not
-prepended: the window starts at the group; for a one-row group of an FP8 or "bf16" recipe, from
-1 to 16 terms). Both hold for
-XLA:CPU (checked bit for bit against the dense calls in tests/test_grouped.py); elsewhere (GPU
-libraries choose kernels by shape) they are assumed, untested, and a failure would change the
-FP32 summation order only. Cost: the rows' GEMMs are exactly the groups' rows, Wgrad at most
-~1.19x: about one dense call's GEMMs over the T rows, not E of them.
+Nothing here has a data-dependent shape or trip count (no `while`, no `cond`): on XLA:GPU a loop
+whose trip count is data copies its predicate to the host on every iteration, and XLA:GPU
+rewrites a `ragged_dot` into a masked dense dot over every group unless its output is BF16/F16
+and the experimental cuDNN fusion is on (docs/ops.md, "Grouped GEMM"). The machinery, for any
+`product`:
+- `rows_by_group`: each group's tiles in blocks of m tiles (`blocks`), ONE batched GEMM over the
+  blocks with each block's group's rhs (gathered per block): every row computed once, plus at
+  most E (m - 1) padding tiles; a one-row group of an alignment-1 recipe once more on its own.
+- `by_group`: each group in ONE window from its first tile, zeros after it: the groups sorted
+  by size fill slots whose static windows bound the i-th largest group
+  (`GroupShape.wgrad_levels`), one batched GEMM per window length: up to ~1.19 tiles H_E of
+  work (H_E = 1 + 1/2 + ... + 1/E), the price of one window per group with static shapes.
+- `by_block`: each block's partial product (one batched GEMM), summed per group
+  (`segment_sum`): < 1.25x the tiles of work, then < 5 E partial results to add.
 
-"xla" (`XLA`): the decoded operands to `jax.lax.ragged_dot_general` (ragged rows for Fprop and
-Dgrad, ragged contraction for Wgrad, precision HIGHEST) with the padded group sizes, which XLA
-lowers to its grouped GEMM on GPU and TPU; on CPU jax expands it to a masked dense dot over all
-groups (E times the work of one dense GEMM). Equal to "emulated" up to FP32 summation order.
+"emulated" (float32 operands, `operands.decode_*`): FP32 `dot_general`s (precision HIGHEST) of
+the form the dense emulated GEMM runs (`gemm.emulated_gemm`: [1, P, C] . [1, Q, C] over the last
+axes), batched over blocks (rows) or slots (Wgrad, `by_group`). The result is the dense calls'
+bit for bit as long as XLA's FP32 dot gives (i) each output row independently of the other rows,
+of how many there are (two or more: one row is a matrix-vector product) and of the batch it is
+in, and (ii) the same sum when zeros are appended to a contraction of whole 16-row tiles (not
+prepended: a window starts at its group). Both hold for XLA:CPU (checked bit for bit against the
+dense calls in tests/test_grouped.py); elsewhere (GPU libraries choose kernels by shape) they are
+assumed, untested, and a failure would change the FP32 summation order only.
+
+"xla" (`operands.ScaledOperand`: each element times its block scale, a BF16 number for every
+format but MXFP8, and FP32 outer scales): rows in one batched BF16 GEMM with FP32 accumulation
+over the blocks (`rows_by_group`), Wgrad in per-block partial GEMMs summed per group
+(`by_block`); each output row and column multiplied by its FP32 outer scales afterwards, as the
+dense `gemm.xla_gemm` does. XLA lowers a batched `dot_general` to a batched GEMM (cuBLAS on
+GPUs, tensor cores for BF16). Equal to "emulated" up to the FP32 summation order and the
+rounding of the outer scales (applied to the sums, not to each decoded element). A GEMM with an
+operand that is not exact in BF16 (MXFP8, unquantized FP32) runs as an FP32 dot instead, said
+once in the log (`_fp32_note`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from nvfp4_ops.backends import log
+from nvfp4_ops.grouped.blocks import from_blocks, group_blocks, to_blocks
 from nvfp4_ops.grouped.layout import GroupLayout
+from nvfp4_ops.grouped.operands import (
+    ScaledOperand,
+    decode_tokens,
+    decode_weights,
+    scaled_tokens,
+    scaled_weights,
+)
 
 _LAST = (((2,), (2,)), ((0,), (0,)))
+_MATRIX_LAST = (((1,), (1,)), ((), ()))
 
 
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """`tiles` (static) consecutive tiles from tile `first`; the first `count` are the group's."""
-
-    tiles: int
-    first: jax.Array
-    count: jax.Array
-
-    def take(self, tiles: jax.Array) -> jax.Array:
-        """The window's tiles of `tiles` [n, ...]: [self.tiles, ...], zeros past the group
-        (also where the window runs past the buffer)."""
-        i = jnp.arange(self.tiles, dtype=jnp.int32)
-        index = jnp.where(i < self.count, self.first + i, tiles.shape[0])  # past n: zeros
-        return jnp.take(tiles, index, axis=0, mode="fill", fill_value=0)
-
-
-def _each(selected: jax.Array, step: Callable[[Any, Any], Any], carry: Any) -> Any:
-    """`carry = step(e, carry)` for the groups e where `selected` [E] holds, in order (a while
-    loop with as many trips as there are such groups)."""
-    order = jnp.argsort(~selected, stable=True).astype(jnp.int32)
-    count = jnp.sum(selected, dtype=jnp.int32)
-    return jax.lax.fori_loop(0, count, lambda i, c: step(order[i], c), carry)
-
-
-def row_pieces(layout: GroupLayout, step: Callable[[Window, Any, Any], Any], init: Any) -> Any:
-    """`carry = step(window, e, carry)` over every group's tiles cut into power-of-two pieces
-    (its count's binary digits, largest first: 5 tiles -> 4 + 1), one static loop per piece
-    length (`GroupShape.piece_tiles`). Every tile of every group is in exactly one piece, and a
-    piece never leaves its group (so no masking, no work past the groups)."""
-    counts, carry = layout.tile_counts, init
-    for length in layout.shape.piece_tiles:
-        k = length.bit_length() - 1
-        above = (counts >> (k + 1)) << (k + 1)  # the tiles of the larger pieces before it
-
-        def piece(e, c, length=length, above=above):
-            window = Window(length, layout.tile_starts[e] + above[e], jnp.int32(length))
-            return step(window, e, c)
-
-        carry = _each(((counts >> k) & 1) == 1, piece, carry)
-    return carry
-
-
-def wgrad_windows(layout: GroupLayout, step: Callable[[Window, Any, Any], Any], init: Any) -> Any:
-    """`carry = step(window, e, carry)` for every non-empty group, in ONE window from its first
-    tile: the shortest of `GroupShape.window_tiles` that holds it (zeros past the group), one
-    static loop per window length."""
-    lengths = layout.shape.window_tiles
-    counts, carry = layout.tile_counts, init
-    choice = jnp.searchsorted(jnp.asarray(lengths, jnp.int32), counts)  # shortest >= count
-    for j, length in enumerate(lengths):
-
-        def whole(e, c, length=length):
-            return step(Window(length, layout.tile_starts[e], counts[e]), e, c)
-
-        carry = _each((choice == j) & (counts > 0), whole, carry)
-    return carry
-
-
-def _index(per_group: jax.Array, e) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(per_group, e, keepdims=False)
+def _index(per_group: Any, e) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), per_group)
 
 
 def rows_by_group(
-    lhs_tiles: jax.Array,
+    lhs_tiles: Any,
     layout: GroupLayout,
-    product: Callable[[jax.Array, Any], jax.Array],
+    product: Callable[[Any, Any], jax.Array],
     out_tile: tuple[tuple[int, ...], Any],
 ) -> jax.Array:
-    """Out tiles whose rows of group e are `product(rows [L, C], e)` [L, Q]; `out_tile` = (shape
-    of one out tile, dtype); zeros past the groups.
+    """Out tiles whose rows of group e are `product(rows [L, ...], e)` [L, Q]; `out_tile` =
+    (shape of one out tile, dtype); zeros past the groups. `lhs_tiles`: [tiles, a, ...] or a
+    pytree of such arrays; `product` runs batched over the blocks (`jax.vmap`).
 
-    The rows go in power-of-two pieces of each group (`row_pieces`: every row once, at least 16
-    rows a piece). XLA computes a one-row dot as a matrix-vector product whose sums may differ
-    from a row of a larger dot, so where a one-row group is a one-row product in its dense call
-    (`GroupShape.one_row_groups`) its row is computed once more on its own.
+    XLA computes a one-row dot as a matrix-vector product whose sums may differ from a row of a
+    larger dot, so where a one-row group is a one-row product in its dense call
+    (`GroupShape.one_row_groups`) its row is computed once more on its own (batched over the
+    groups, kept for the groups of one row).
     """
     shape, dtype = out_tile
-    a = layout.shape.tile_rows
-
-    def piece(window: Window, e, out):
-        rows = jax.lax.dynamic_slice_in_dim(lhs_tiles, window.first, window.tiles, axis=0)
-        rows = rows.reshape(window.tiles * a, *rows.shape[2:])
-        value = product(rows, e).reshape(window.tiles, *shape).astype(dtype)
-        return jax.lax.dynamic_update_slice_in_dim(out, value, window.first, axis=0)
-
-    def one_row(e, out):
-        first = layout.tile_starts[e]
-        row = jax.lax.dynamic_slice_in_dim(lhs_tiles, first, 1, axis=0)[0, :1]
-        value = product(row, e).astype(dtype)  # [1, Q]
-        tile = jax.lax.dynamic_index_in_dim(out, first, keepdims=False).at[:1].set(value)
-        return jax.lax.dynamic_update_index_in_dim(out, tile, first, 0)
-
-    out = row_pieces(layout, piece, jnp.zeros((layout.shape.tiles, *shape), dtype))
-    if layout.shape.one_row_groups:
-        out = _each(layout.sizes == 1, one_row, out)
-    return out
+    blocks = group_blocks(layout)
+    m, a = blocks.tiles_per_block, layout.shape.tile_rows
+    rows = jax.tree.map(
+        lambda b: b.reshape(b.shape[0], m * a, *b.shape[3:]), to_blocks(lhs_tiles, blocks)
+    )
+    value = jax.vmap(product)(rows, blocks.group).astype(dtype)
+    out = from_blocks(value.reshape(value.shape[0], m, *shape), blocks)
+    if not layout.shape.one_row_groups:
+        return out
+    firsts = jax.tree.map(
+        lambda t: jnp.take(t, layout.tile_starts, axis=0, mode="fill", fill_value=0)[:, :1],
+        lhs_tiles,
+    )  # each group's first row [E, 1, ...]
+    one_row = jax.vmap(product)(firsts, jnp.arange(layout.shape.groups, dtype=jnp.int32))
+    replace = layout.per_tile(layout.sizes == 1, False) & (layout.tile_offset == 0)
+    first_rows = jnp.where(replace[:, None], layout.per_tile(one_row[:, 0]), out[:, 0])
+    return out.at[:, 0].set(first_rows.astype(dtype))
 
 
 def tokens_last(tiles: jax.Array) -> jax.Array:
@@ -146,22 +112,64 @@ def tokens_last(tiles: jax.Array) -> jax.Array:
     return jnp.swapaxes(tiles, 0, 1).reshape(tiles.shape[1], -1)
 
 
+def _windows(tiles: Any, first: jax.Array, count: jax.Array, length: int, past: int) -> Any:
+    """[S, length, ...]: `length` tiles of `tiles` [past, ...] from each `first`, zeros past
+    each `count`."""
+    i = jnp.arange(length, dtype=jnp.int32)
+    index = jnp.where(i < count[:, None], first[:, None] + i, past)  # past the buffer: zeros
+    return jax.tree.map(lambda t: jnp.take(t, index, axis=0, mode="fill", fill_value=0), tiles)
+
+
 def by_group(
-    lhs_tiles: jax.Array,
-    rhs_tiles: jax.Array,
+    lhs_tiles: Any,
+    rhs_tiles: Any,
     layout: GroupLayout,
-    product: Callable[[jax.Array, jax.Array], jax.Array],
+    product: Callable[[Any, Any], jax.Array],
     out: tuple[tuple[int, ...], Any],
 ) -> jax.Array:
-    """[E, ...]: group e's entry is `product(lhs window tiles, rhs window tiles)` over its one
-    window (`wgrad_windows`; zeros for an empty group); `out` = (shape of one entry, dtype)."""
+    """[E, ...]: group e's entry is `product(lhs window tiles, rhs window tiles)` over ONE
+    window from its first tile, zeros after the group (zeros for an empty group); `out` =
+    (shape of one entry, dtype). The windows: `GroupShape.wgrad_levels` (the module
+    docstring); `product` runs batched over a level's slots."""
     shape, dtype = out
+    counts, groups = layout.tile_counts, layout.shape.groups
+    order = jnp.argsort(-counts, stable=True).astype(jnp.int32)  # largest first
+    parts, filled = [], 0
+    for length, first_slot, end_slot in layout.shape.wgrad_levels:
+        slot_groups = order[first_slot:end_slot]
+        first, count = layout.tile_starts[slot_groups], counts[slot_groups]
+        lhs, rhs = (
+            _windows(t, first, count, length, layout.shape.tiles) for t in (lhs_tiles, rhs_tiles)
+        )
+        parts.append(jax.vmap(product)(lhs, rhs).astype(dtype))
+        filled = end_slot
+    parts.append(jnp.zeros((groups - filled, *shape), dtype))  # slots of empty groups
+    by_slot = jnp.concatenate(parts)
+    return jnp.take(by_slot, jnp.argsort(order), axis=0)
 
-    def step(window: Window, e, acc):
-        value = product(window.take(lhs_tiles), window.take(rhs_tiles))
-        return jax.lax.dynamic_update_index_in_dim(acc, value.astype(dtype), e, 0)
 
-    return wgrad_windows(layout, step, jnp.zeros((layout.shape.groups, *shape), dtype))
+def by_block(
+    lhs_tiles: Any,
+    rhs_tiles: Any,
+    layout: GroupLayout,
+    product: Callable[[Any, Any], jax.Array],
+    out: tuple[tuple[int, ...], Any],
+) -> jax.Array:
+    """[E, ...]: the sum of `product(lhs block tiles, rhs block tiles)` over group e's blocks
+    (zeros for an empty group), in float32, then `out`'s dtype; `out` = (shape, dtype).
+
+    The sum is a `segment_sum` (a scatter-add): on XLA:GPU its order of additions is not fixed
+    unless `--xla_gpu_deterministic_ops=true` (as every scatter-add of the model's, docs/moe.md).
+    """
+    _, dtype = out
+    blocks = group_blocks(layout)
+    lhs, rhs = to_blocks(lhs_tiles, blocks), to_blocks(rhs_tiles, blocks)
+    partial = jax.vmap(product)(lhs, rhs).astype(jnp.float32)
+    groups = layout.shape.groups
+    summed = jax.ops.segment_sum(
+        partial, blocks.group, num_segments=groups + 1, indices_are_sorted=True
+    )  # the extra segment: blocks past the last group
+    return summed[:groups].astype(dtype)
 
 
 def _fp32_last(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -194,50 +202,73 @@ def emulated_wgrad(lhs_tiles: jax.Array, rhs_tiles: jax.Array, layout: GroupLayo
         return by_group(lhs_tiles, rhs_tiles, layout, product, (shape, jnp.float32))
 
 
-def xla_rows(lhs_tiles: jax.Array, rhs: jax.Array, layout: GroupLayout) -> jax.Array:
-    """`emulated_rows` through `jax.lax.ragged_dot_general` (ragged rows, rhs [E, Q, C]).
+@functools.cache
+def _fp32_note(why: str, platform: str) -> None:
+    """Say once per process and reason that an "xla" grouped GEMM runs as an FP32 dot: a
+    warning on a GPU (where BF16 tensor cores were expected), information elsewhere."""
+    level = logging.WARNING if platform == "gpu" else logging.INFO
+    log.log(level, "nvfp4_ops: an xla grouped GEMM runs as an FP32 dot, not on BF16 tensor "
+            "cores: %s", why)  # fmt: skip
 
-    The weights of empty groups are zeroed first: XLA:CPU computes the ragged dot as a masked
-    dot over all groups (0 * NaN = NaN), so a non-finite weight of an expert with no rows made
-    every output non-finite; an empty group has no output rows, its dense call no product."""
-    n, a, c = lhs_tiles.shape
-    rhs = jnp.where((layout.padded_sizes > 0)[:, None, None], rhs, 0)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())),
-        lhs_ragged_dimensions=(0,),
-        rhs_group_dimensions=(0,),
-    )
-    with jax.named_scope("nvfp4/grouped_gemm_xla"):
-        out = jax.lax.ragged_dot_general(
-            lhs_tiles.reshape(n * a, c), rhs, layout.padded_sizes, dims,
-            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+
+def _matmul(lhs: ScaledOperand, rhs: ScaledOperand) -> Callable[..., jax.Array]:
+    """float32 [P, Q] = lhs values [P, C] . rhs values [Q, C]: a BF16 GEMM with FP32
+    accumulation when both operands are BF16, else an FP32 dot (said once, `_fp32_note`)."""
+    why = "; ".join(w for w in (lhs.inexact, rhs.inexact) if w)
+    if why:
+        _fp32_note(why, jax.default_backend())
+    precision = jax.lax.Precision.HIGHEST if why else jax.lax.Precision.DEFAULT
+    dtype = jnp.float32 if why else jnp.bfloat16
+
+    def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jax.lax.dot_general(
+            a.astype(dtype), b.astype(dtype), _MATRIX_LAST, precision=precision,
+            preferred_element_type=jnp.float32,
         )  # fmt: skip
-        return out.reshape(n, a, rhs.shape[1])
+
+    return matmul
 
 
-def xla_wgrad(lhs_tiles: jax.Array, rhs_tiles: jax.Array, layout: GroupLayout) -> jax.Array:
-    """`emulated_wgrad` through `jax.lax.ragged_dot_general` (ragged contraction)."""
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (1,)), ((), ())),
-        lhs_ragged_dimensions=(1,),
-        rhs_group_dimensions=(),
-    )
+def xla_rows(lhs_tiles: ScaledOperand, rhs: ScaledOperand, layout: GroupLayout) -> jax.Array:
+    """`emulated_rows` as batched BF16 GEMMs over the blocks, outer scales on the output."""
+    a, q = layout.shape.tile_rows, rhs.values.shape[1]
+    matmul = _matmul(lhs_tiles, rhs)
+
+    def product(rows: ScaledOperand, e):
+        w = _index(rhs, e)
+        return matmul(rows.values, w.values) * (rows.scale * jnp.swapaxes(w.scale, -1, -2))
+
     with jax.named_scope("nvfp4/grouped_gemm_xla"):
-        return jax.lax.ragged_dot_general(
-            tokens_last(lhs_tiles), tokens_last(rhs_tiles), layout.padded_sizes, dims,
-            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        return rows_by_group(lhs_tiles, layout, product, ((a, q), jnp.float32))
+
+
+def xla_wgrad(lhs_tiles: ScaledOperand, rhs_tiles: ScaledOperand, layout: GroupLayout) -> jax.Array:
+    """`emulated_wgrad` as per-block BF16 GEMMs summed per group, outer scales per block (one
+    per group, or per feature and group: the same on every tile of a group)."""
+    matmul = _matmul(lhs_tiles, rhs_tiles)
+
+    def product(lhs: ScaledOperand, rhs: ScaledOperand):
+        out = matmul(tokens_last(lhs.values), tokens_last(rhs.values))
+        return out * (lhs.scale[0] * jnp.swapaxes(rhs.scale[0], -1, -2))
+
+    shape = (lhs_tiles.values.shape[1], rhs_tiles.values.shape[1])
+    with jax.named_scope("nvfp4/grouped_gemm_xla"):
+        return by_block(lhs_tiles, rhs_tiles, layout, product, (shape, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemms:
-    """One backend's grouped GEMMs (see the module docstring)."""
+    """One backend's grouped GEMMs (see the module docstring), and how it takes its operands:
+    `tokens(q, op)` and `weights(q, op, transposed)` turn `operands.quantize_*`'s results into
+    what `rows` and `wgrad` contract."""
 
-    rows: Callable[[jax.Array, jax.Array, GroupLayout], jax.Array]
-    wgrad: Callable[[jax.Array, jax.Array, GroupLayout], jax.Array]
+    rows: Callable[[Any, Any, GroupLayout], jax.Array]
+    wgrad: Callable[[Any, Any, GroupLayout], jax.Array]
+    tokens: Callable[..., Any] = decode_tokens
+    weights: Callable[..., Any] = decode_weights
 
 
 GROUPED_GEMMS = {
     "emulated": GroupedGemms(emulated_rows, emulated_wgrad),
-    "xla": GroupedGemms(xla_rows, xla_wgrad),
+    "xla": GroupedGemms(xla_rows, xla_wgrad, scaled_tokens, scaled_weights),
 }

@@ -27,6 +27,13 @@ import jax.numpy as jnp
 MIN_TILE_ROWS = 16
 """The fewest rows in a tile (`GroupShape.tile_rows`)."""
 
+BLOCKS_PER_GROUP = 4
+"""GEMM blocks per average group (`GroupShape.block_tiles`). A block is m = ceil(tiles / 4E) tiles
+of one group, and each group pads its last block, so the blocked GEMMs compute at most E (m - 1)
+< tiles / 4 tiles more than the groups hold (~1/8 more for random sizes), on at most
+(tiles + E (m - 1)) / m < 5 E blocks, each with its expert's weight gathered (up to 5x the
+weights, transient)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupShape:
@@ -62,10 +69,10 @@ class GroupShape:
 
     @property
     def window_tiles(self) -> tuple[int, ...]:
-        """The static window lengths (in tiles) a group's Wgrad is computed in
-        (`gemm.wgrad_windows`): ceil(2^(j/4)) for j = 0, 1, ... (1, 2, 3, 4, 5, 6, 7, 8, 10, 12,
-        14, 16, 20, 23, 27, 32, ...) below `tiles`, and `tiles`. A group of t tiles gets the
-        smallest window >= t: at most 2^(1/4) ~ 1.19x its tiles once t > 8, exact up to 8."""
+        """The static window lengths (in tiles) an exact Wgrad rounds its windows up to
+        (`wgrad_levels`): ceil(2^(j/4)) for j = 0, 1, ... (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14,
+        16, 20, 23, 27, 32, ...) below `tiles`, and `tiles`: at most 2^(1/4) ~ 1.19x a length
+        once it is past 8 tiles, exact up to 8."""
         sizes, j = {self.tiles}, 0
         while (size := _ceil_root4(2**j)) < self.tiles:
             sizes.add(size)
@@ -73,10 +80,39 @@ class GroupShape:
         return tuple(sorted(sizes))
 
     @property
-    def piece_tiles(self) -> tuple[int, ...]:
-        """The static lengths (powers of two, in tiles) a group's rows are computed in
-        (`gemm.row_pieces`): a group of t tiles is t's binary digits, no row more."""
-        return tuple(2**k for k in range(self.tiles.bit_length()) if 2**k <= self.tiles)
+    def wgrad_levels(self) -> tuple[tuple[int, int, int], ...]:
+        """(window tiles, first slot, end slot) of the exact Wgrad (`gemm.by_group`).
+
+        The groups sorted by tiles, largest first, take slots 0, 1, ...: the group in slot i
+        has at most floor(tiles / (i + 1)) tiles (the i + 1 largest hold at most `tiles`), so
+        its window is that bound rounded up to a `window_tiles` length, and consecutive slots
+        with the same window form one level (one batched GEMM). Slots whose bound is 0 hold
+        empty groups and are in no level. The work is sum_i window_i <= ~1.19 tiles H_E
+        (H_E = 1 + 1/2 + ... + 1/E): 2.8x the tiles at E = 8 and T = 2048, 4.3x at E = 32 and
+        T = 4096, 5.9x at E = 128 and T = 262,144.
+        """
+        lengths, levels = self.window_tiles, []
+        for slot in range(min(self.groups, self.tiles)):
+            bound = self.tiles // (slot + 1)
+            window = next(n for n in lengths if n >= bound)
+            if levels and levels[-1][0] == window:
+                levels[-1] = (window, levels[-1][1], slot + 1)
+            else:
+                levels.append((window, slot, slot + 1))
+        return tuple(levels)
+
+    @property
+    def block_tiles(self) -> int:
+        """Tiles per GEMM block, m (`blocks.group_blocks`): ceil(tiles / (4 E)), a quarter of
+        an average group's tiles rounded up (`BLOCKS_PER_GROUP`)."""
+        return -(-self.tiles // (BLOCKS_PER_GROUP * self.groups))
+
+    @property
+    def blocks(self) -> int:
+        """GEMM blocks of the buffer: floor((tiles + E (m - 1)) / m), enough for any group sizes
+        (each group's tiles in ceil(count / m) blocks of m tiles, as tiles hold rows)."""
+        m = self.block_tiles
+        return max(1, (self.tiles + self.groups * (m - 1)) // m)
 
 
 def _ceil_root4(n: int) -> int:
@@ -139,7 +175,9 @@ def group_layout(group_sizes: jax.Array, shape: GroupShape) -> GroupLayout:
     tile_ends = jnp.cumsum(tile_counts)
     tile_starts = tile_ends - tile_counts
     tiles = jnp.arange(n, dtype=jnp.int32)
-    tile_group = jnp.searchsorted(tile_ends, tiles, side="right").astype(jnp.int32)
+    tile_group = jnp.searchsorted(tile_ends, tiles, side="right", method="scan_unrolled").astype(
+        jnp.int32
+    )
     first = jnp.take(tile_starts, tile_group, mode="fill", fill_value=0)
     tile_offset = jnp.where(tile_group < shape.groups, tiles - first, 0)
     return GroupLayout(sizes, starts, tile_starts, tile_counts, tile_group, tile_offset, shape)
@@ -168,7 +206,7 @@ def from_tiles(tiles: jax.Array, layout: GroupLayout) -> jax.Array:
     flat = tiles.reshape(shape.rows, *tiles.shape[2:])
     token = jnp.arange(shape.tokens, dtype=jnp.int32)
     ends = layout.starts + layout.sizes
-    group = jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+    group = jnp.searchsorted(ends, token, side="right", method="scan_unrolled").astype(jnp.int32)
     valid = group < shape.groups
     local = token - jnp.take(layout.starts, group, mode="fill", fill_value=0)
     target = jnp.take(layout.tile_starts, group, mode="fill", fill_value=0) * a + local

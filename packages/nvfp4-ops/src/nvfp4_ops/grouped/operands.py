@@ -14,10 +14,16 @@ reads it; the quantizers are `nvfp4_ops.quantizers`'. Two kinds of operands:
   (`layout.group_max` of the tiles' amaxes; a per-token scale needs none) and its group's random
   numbers (`random_bits.token_uniform`): a block never leaves its tile, so each element gets the
   codes and scales of its group's dense quantization.
+
+The "emulated" GEMMs take them decoded to float32 (`decode_tokens`, `decode_weights`); the "xla"
+ones as `ScaledOperand`s (`scaled_tokens`, `scaled_weights`): each element times its block scale,
+which is a BF16 number for every format but MXFP8 (`BF16_EXACT`), and the FP32 outer scale of its
+row, which the GEMM applies to its FP32 output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from nvfp4_ops.formats import FORMAT_OPS
+from nvfp4_ops.gemm import unit_values
 from nvfp4_ops.gemm_table import OperandQuant, operand_view
 from nvfp4_ops.grouped.layout import GroupLayout, group_max
 from nvfp4_ops.grouped.random_bits import token_uniform
@@ -89,3 +96,70 @@ def _group_amax(op: OperandQuant, view: jax.Array, layout: GroupLayout) -> jax.A
 def decode_tokens(q: Any, op: OperandQuant) -> jax.Array:
     """The float32 tiles of `quantize_tokens`'s result ([tiles, a, C] or [tiles, C, a])."""
     return jax.vmap(lambda v: dequantize_operand(v, op.tq, jnp.float32))(q)
+
+
+BF16_EXACT = frozenset(
+    (jnp.dtype(elements), None if scales is None else jnp.dtype(scales))
+    for elements, scales in (
+        (jnp.float4_e2m1fn, jnp.float8_e4m3fn),  # NVFP4: 2 + 4 significant bits, >= 2^-10
+        (jnp.float4_e2m1fn, jnp.float8_e8m0fnu),  # MXFP4: 2 bits, 2^-128 .. 1.5 2^127
+        (jnp.float8_e4m3fn, None),  # FP8 elements, their tensor scale apart
+        (jnp.float8_e5m2, None),
+        (jnp.bfloat16, None),  # an unquantized BF16 operand
+    )
+)
+"""(element dtype, block-scale dtype) pairs whose products are BF16 numbers, exactly: at most 8
+significant bits, within BF16's range (subnormals from 2^-133). Not MXFP8 (E4M3 x E8M0 reaches
+2^-136), nor unquantized FP32 / FP16 values."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledOperand:
+    """A GEMM operand as the "xla" grouped GEMMs take it: `values` times `scale`, row by row.
+
+    Attributes:
+      values: [..., P, C], each element times its block scale (no outer scale): bfloat16, which
+        holds it exactly (`BF16_EXACT`), or float32 where it might not.
+      scale: float32 [..., P, 1], each row's outer (tensor or per-row) decode scale.
+      inexact: None, or why `values` are float32 (static).
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    inexact: str | None = dataclasses.field(default=None, metadata={"static": True})
+
+
+def _scaled(q: Any, op: OperandQuant) -> ScaledOperand:
+    """`q` [n, ...] (quantized per tile or per expert under `vmap`) as a `ScaledOperand`."""
+    operand = functools.partial(FORMAT_OPS[op.tq.fmt].gemm_operand, transposed=False)
+    vals, scales, outer = jax.vmap(operand)(q)
+    pair = (jnp.dtype(vals.dtype), None if scales is None else jnp.dtype(scales.dtype))
+    unit = unit_values(vals, scales)
+    outer = outer.reshape(outer.shape + (1,) * (vals.ndim - outer.ndim))
+    scale = jnp.broadcast_to(outer, vals.shape[:-1] + (1,)).astype(jnp.float32)
+    if pair in BF16_EXACT:
+        return ScaledOperand(unit.astype(jnp.bfloat16), scale)
+    kinds = " x ".join(str(d) for d in pair if d is not None)
+    role = op.tq.fmt if op.tq.quantized else "unquantized"
+    return ScaledOperand(unit, scale, f"{op.name} holds {kinds} values ({role})")
+
+
+def scaled_tokens(q: Any, op: OperandQuant) -> ScaledOperand:
+    """`quantize_tokens`'s result as a `ScaledOperand` ([tiles, a, C] or [tiles, C, a])."""
+    return _scaled(q, op)
+
+
+def scaled_weights(q: Any, op: OperandQuant, transposed: bool = False) -> ScaledOperand:
+    """`quantize_weights`'s result as a `ScaledOperand` [E, P, C] ([E, C, P] when `transposed`:
+    the Fprop W reused in Dgrad, which has one outer scale per expert)."""
+    s = _scaled(q, op)
+    values, scale = s.values[:, 0], s.scale[:, 0]
+    if transposed:
+        if op.tq.outer_scale == "row":
+            raise ValueError(
+                f"{op.name} has one outer scale per row: it cannot be reused transposed"
+            )
+        values = jnp.swapaxes(values, -1, -2)
+        scale = jnp.broadcast_to(scale[:, :1], values.shape[:-1] + (1,))
+    return ScaledOperand(values, scale, s.inexact)

@@ -32,12 +32,7 @@ import numpy as np
 from nvfp4_ops.gemm_table import gemm_quantized, operand_quants, quantizations, rotated
 from nvfp4_ops.grouped.gemm import GROUPED_GEMMS, rows_by_group
 from nvfp4_ops.grouped.layout import GroupShape, from_tiles, group_layout, to_tiles
-from nvfp4_ops.grouped.operands import (
-    decode_tokens,
-    decode_weights,
-    quantize_tokens,
-    quantize_weights,
-)
+from nvfp4_ops.grouped.operands import quantize_tokens, quantize_weights
 from nvfp4_ops.grouped.random_bits import expert_keys
 from nvfp4_ops.qdot import named_residuals
 from nvfp4_ops.recipe import Recipe
@@ -90,7 +85,7 @@ def _fwd(x, w, group_sizes, key, group_offset, cfg: GroupedConfig):
     else:
         with jax.named_scope("nvfp4/fprop"):
             qx = quantize_tokens(fprop_x, x_tiles, layout, keys)
-            y_tiles = gemms.rows(decode_tokens(qx, fprop_x), decode_weights(qw, fprop_w), layout)
+            y_tiles = gemms.rows(gemms.tokens(qx, fprop_x), gemms.weights(qw, fprop_w), layout)
     y = from_tiles(y_tiles, layout).astype(cfg.out_dtype)
     with jax.named_scope("nvfp4/save_residuals"):
         qw_dgrad = qw if dgrad_w.reuses else quantize_weights(dgrad_w, w, keys)
@@ -117,12 +112,12 @@ def _bwd(cfg: GroupedConfig, residuals, dy):
     with jax.named_scope("nvfp4/dgrad"):
         qdy = quantize_tokens(dgrad_dy, dy_tiles, layout, keys)
         reused = dgrad_w.reuses is not None
-        w_dgrad = decode_weights(qw_dgrad, ops[dgrad_w.reuses or "dgrad_w"], transposed=reused)
-        dx_tiles = gemms.rows(decode_tokens(qdy, dgrad_dy), w_dgrad, layout)
+        w_dgrad = gemms.weights(qw_dgrad, ops[dgrad_w.reuses or "dgrad_w"], reused)
+        dx_tiles = gemms.rows(gemms.tokens(qdy, dgrad_dy), w_dgrad, layout)
     with jax.named_scope("nvfp4/wgrad"):
         qdyt = quantize_tokens(wgrad_dy, dy_tiles, layout, keys)
         xt = qxt if wgrad_x.tq.quantized else rotated(wgrad_x, qxt)
-        dw = gemms.wgrad(decode_tokens(xt, wgrad_x), decode_tokens(qdyt, wgrad_dy), layout)
+        dw = gemms.wgrad(gemms.tokens(xt, wgrad_x), gemms.tokens(qdyt, wgrad_dy), layout)
     dx = from_tiles(dx_tiles, layout)
     return dx.astype(cfg.lhs_dtype), dw.astype(cfg.rhs_dtype), None, None, None
 

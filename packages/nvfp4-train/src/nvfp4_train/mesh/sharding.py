@@ -50,13 +50,18 @@ _RULES = {
     "up": ("fsdp", "tensor"),
     "in_proj": ("fsdp", None),
     "out_proj": (None, "fsdp"),
+    "fc1_latent_proj": ("fsdp", None),
+    "fc2_latent_proj": (None, "fsdp"),
+    "eh_proj": ("fsdp", None),
 }
 # Mamba's in_proj / out_proj: d_model over `fsdp` only (the mixer has no tensor parallelism:
-# `check_tensor_split` refuses it); conv1d, A_log, D, dt_bias and the norm are replicated
-# the routed experts' kernels [E, in, out] (`mlp.experts.{gate_up,down}`): experts over `expert`,
+# `check_tensor_split` refuses it); conv1d, A_log, D, dt_bias and the norm are replicated.
+# LatentMoE's projections and the MTP input projection: d_model over `fsdp`, never `tensor`
+# the routed experts' kernels [E, in, out] (`mlp.experts.{gate_up,up,down}`): experts over `expert`,
 # d_model over `fsdp` (as the dense MLP's), the expert's hidden units whole (never `tensor`)
 _EXPERT_RULES = {
     "gate_up": (EXPERT_AXIS, "fsdp", None),
+    "up": (EXPERT_AXIS, "fsdp", None),
     "down": (EXPERT_AXIS, None, "fsdp"),
 }
 

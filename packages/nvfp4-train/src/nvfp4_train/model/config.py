@@ -24,6 +24,7 @@ import nvfp4_ops
 from nvfp4_train.model.blocks.attention import ATTENTION_IMPLEMENTATIONS, SAVES_ATTENTION
 from nvfp4_train.model.blocks.mamba_config import MambaConfig
 from nvfp4_train.model.moe.config import MoEConfig, check_moe_architecture
+from nvfp4_train.model.mtp.config import MTPConfig
 from nvfp4_train.model.pattern import pattern_kinds
 from nvfp4_train.model.structure import (  # re-exported: what a config implies about the tree
     BLOCK_KEYS as BLOCK_KEYS,
@@ -200,6 +201,8 @@ class ModelConfig:
         rope: rotary position embeddings in attention (Nemotron-H's attention has none).
         mlp_activation: "swiglu" (gated, `mlp.gate_up`) or "relu2" (Nemotron-H's
             `down(relu(up x)^2)`, `mlp.up`), for the dense MLPs.
+        mtp: multi-token prediction layers (`MTPConfig`, `nvfp4_train.model.mtp`; `num_layers:
+            0`, the default, is none); a hybrid model's only.
 
     Example:
         >>> ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -238,6 +241,7 @@ class ModelConfig:
     mamba: MambaConfig = dataclasses.field(default_factory=MambaConfig)
     rope: bool = True
     mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
+    mtp: MTPConfig = dataclasses.field(default_factory=MTPConfig)
 
     def __post_init__(self):
         _check_shape(self)
@@ -339,6 +343,9 @@ def _check_hybrid(cfg: ModelConfig) -> None:
     blocks read agree: a pattern exactly for a hybrid architecture, one kind per block, MoE
     settings exactly when it has `E` blocks (and then none of the block-choosing keys)."""
     hybrid = cfg.architecture in HYBRID_ARCHITECTURES
+    _check(not cfg.mtp.num_layers or cfg.pattern, "mtp.num_layers",
+           "0 without a model.pattern (MTP layers are hybrid blocks)",
+           cfg.mtp.num_layers)  # fmt: skip
     if not cfg.pattern:
         _check(not hybrid, "pattern", f"set for model.architecture={cfg.architecture!r} (a "
                "hybrid: one letter per block, e.g. 'M-M*-')", cfg.pattern)  # fmt: skip
@@ -352,9 +359,10 @@ def _check_hybrid(cfg: ModelConfig) -> None:
     _check(len(kinds) == cfg.num_layers, "pattern",
            f"one kind per block: num_layers={cfg.num_layers} of them, got {len(kinds)} in",
            cfg.pattern)  # fmt: skip
-    has_moe = "moe" in kinds
+    has_moe = "moe" in kinds or (cfg.mtp.num_layers > 0 and "moe" in cfg.mtp.kinds)
     _check(has_moe == (cfg.moe.num_experts > 0), "moe.num_experts",
-           "> 0 exactly when model.pattern has MoE blocks (E)", cfg.moe.num_experts)  # fmt: skip
+           "> 0 exactly when model.pattern (or model.mtp.pattern) has MoE blocks (E)",
+           cfg.moe.num_experts)  # fmt: skip
     for key in ("first_dense_layers", "layer_freq", "dense_layers"):
         default = getattr(MoEConfig(), key)
         _check(getattr(cfg.moe, key) == default, f"moe.{key}",

@@ -15,6 +15,7 @@ Parameter tree (float32 master weights; kernels [in, out]):
     (an MoE block's `mlp` holds its router and experts instead: `nvfp4_train.model.moe.layer`)
     final_norm.scale                [d_model]
     lm_head.kernel                  [d_model, vocab]   (absent when tie_embeddings)
+    mtp.layers.{j}...               multi-token prediction layers (`model.mtp`, `model.mtp.layers`)
 Layer indices `i` are string keys "0", "1", ... in the parameter dict. With `scan_layers`, runs of
 blocks that compute alike, and runs of repeating groups of blocks, are stored stacked instead
 (`layers.{first}-{last}...`, `layers.{first}-{last}/{period}.{j}...`, a leading axis of
@@ -46,8 +47,10 @@ from nvfp4_train.model.config import (
     linear_paths,
 )
 from nvfp4_train.model.layer_groups import MAX_GROUP_PERIOD, groups_of
+from nvfp4_train.model.mtp.layers import MultiTokenPrediction
 from nvfp4_train.model.stacked_blocks import build_segment, layer_keys, members, run_segment
 from nvfp4_train.model.stacking import LayerLayout
+from nvfp4_train.model.structure import mtp_linear_names
 
 
 def layer_layout(
@@ -147,6 +150,8 @@ class Llama(nnx.Module):
                 cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=init,
                 preferred_element_type=jnp.float32, rngs=rngs,
             )  # fmt: skip
+        if cfg.mtp.num_layers:  # built last: the other parameters draw the keys they did without
+            self.mtp = MultiTokenPrediction(cfg, recipes, rngs=rngs, backend=backend)
 
     def __call__(
         self,
@@ -156,8 +161,10 @@ class Llama(nnx.Module):
         segment_ids_BxL: jax.Array | None = None,
         positions_BxL: jax.Array | None = None,
         constrain=None,
-    ) -> jax.Array:
-        """Returns float32 logits [B, L, vocab].
+        mtp: bool = False,
+    ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
+        """Returns float32 logits [B, L, vocab]; with `mtp` (a model with `model.mtp` layers),
+        (those logits, each MTP depth's float32 logits [B, L, vocab]: `model.mtp.layers`).
 
         Args:
             inputs_BxL: int token ids.
@@ -183,6 +190,15 @@ class Llama(nnx.Module):
             block = self.layers[segment.key]
             x_BxLxD = run_segment(block, segment, x_BxLxD, key, documents, policy, constrain)
         x_BxLxD = self.final_norm(x_BxLxD)
+        logits_BxLxV = self._head(x_BxLxD)
+        if not (mtp and self.cfg.mtp.num_layers):
+            return logits_BxLxV
+        depths = self.mtp(x_BxLxD, inputs_BxL, self.embed, self._head, key, documents, constrain)
+        return logits_BxLxV, depths
+
+    def _head(self, x_BxLxD: jax.Array) -> jax.Array:
+        """float32 logits [B, L, vocab] of final-normed hidden states (the output head, or the
+        tied embedding)."""
         if self.cfg.tie_embeddings:
             emb_VxD = self.embed.embedding[...].astype(x_BxLxD.dtype)
             return jnp.einsum("bld,vd->blv", x_BxLxD, emb_VxD, preferred_element_type=jnp.float32)
@@ -212,11 +228,19 @@ def unstacked(model: Llama) -> Llama:
 
 
 def linear_keys(cfg: ModelConfig, key: jax.Array | None) -> dict[str, jax.Array | None]:
-    """The stochastic-rounding key each linear gets from `Llama.__call__(..., key=key)`, by path."""
+    """The stochastic-rounding key each linear gets from `Llama.__call__(..., key=key)`, by path
+    (an MTP layer's: those of the last depth it runs at, `model.mtp.layers`)."""
     keys = {}
     for i in range(cfg.num_layers):
         for name, linear_key in zip(block_linear_names(cfg, i), layer_keys(key, i), strict=False):
             keys[f"layers.{i}.{name}"] = linear_key
+    mtp, size = cfg.mtp, len(cfg.mtp.pattern)
+    for t in range(mtp.resolved_depths if mtp.num_layers else 0):
+        for p in range(size):
+            j = mtp.module_of_depth(t) * size + p
+            depth_keys = layer_keys(key, cfg.num_layers + t * size + p)
+            for name, linear_key in zip(mtp_linear_names(cfg, j), depth_keys, strict=False):
+                keys[f"mtp.layers.{j}.{name}"] = linear_key
     return keys
 
 

@@ -8,8 +8,11 @@ Training FLOPs per token (`train_flops_per_token`; every metrics row, benchmark 
 - N: the weights of every matrix multiplication, the output head included: per block the q, k, v
   and o projections `D * (H + 2G) * K + H * K * D` and the SwiGLU MLP `3 * D * F`, plus `D * V`
   for the head (tied or not). An MoE block counts the weights a token goes through (the active
-  parameters): `3 * D * (k * F_e + S)` for its k routed experts and the shared ones, and the
-  router `D * E`. Not the embedding lookup (a gather), norms or biases. 6 = 2 FLOPs
+  parameters): `3 * D * (k * F_e + S)` for its k routed experts and the shared ones (2 instead of
+  3 with `expert_activation: relu2`; the routed experts' D is `latent_dim` with LatentMoE, whose
+  projections add `2 * D * latent_dim`), and the router `D * E`. Multi-token prediction
+  (`model.mtp`) adds, per depth, its blocks, `eh_proj` `2 * D * D` and the head `D * V`.
+  Not the embedding lookup (a gather), norms or biases. 6 = 2 FLOPs
   per multiply-add x 3 GEMMs per weight (forward, Dgrad, Wgrad).
 - Attention: QK^T and PV cost 2 * 2 * H * K FLOPs per query per key; a causal row attends to
   seq_len / 2 keys on average; backward is twice forward: 3 * 4 * H * K * seq_len / 2 per token
@@ -87,25 +90,45 @@ def device_peak(device_kind: str) -> Peak | None:
 def matmul_params(cfg) -> int:
     """N: the weights of the model's matrix multiplications a token goes through (`ModelConfig`,
     vocab_size set): in an MoE block its `experts_per_token` routed experts, the shared experts
-    and the router (the active parameters), not every expert; a hybrid model's blocks by kind."""
-    return sum(_block_params(cfg, kind, i) for i, kind in enumerate(block_kinds(cfg))) + (
-        cfg.d_model * cfg.vocab_size
-    )
+    and the router (the active parameters), not every expert; a hybrid model's blocks by kind;
+    each MTP depth's blocks, `eh_proj` and the output head again."""
+    main = sum(_block_params(cfg, kind, is_moe_block(cfg, i)) for i, kind in
+               enumerate(block_kinds(cfg)))  # fmt: skip
+    return main + cfg.d_model * cfg.vocab_size + _mtp_params(cfg)
 
 
-def _block_params(cfg, kind: str, index: int) -> int:
-    """The matmul weights a token goes through in block `index` of kind `kind`."""
+def _mtp_params(cfg) -> int:
+    """The matmul weights a token goes through in the MTP layers, every depth (`model.mtp`)."""
+    mtp = cfg.mtp
+    if not mtp.num_layers:
+        return 0
+    blocks = sum(_block_params(cfg, kind, kind == "moe") for kind in mtp.kinds)
+    d = cfg.d_model
+    return mtp.resolved_depths * (blocks + 2 * d * d + d * cfg.vocab_size)
+
+
+def _moe_params(cfg) -> int:
+    """The matmul weights a token goes through in an MoE MLP: its k routed experts and shared
+    experts (3 matrices each with SwiGLU, 2 with relu2), the router, LatentMoE's projections."""
+    d, moe = cfg.d_model, cfg.moe
+    width = moe.latent_dim or d
+    matrices = 3 if moe.expert_activation == "swiglu" else 2
+    routed = matrices * width * moe.experts_per_token * moe.expert_mlp_dim
+    shared = matrices * d * moe.shared_mlp_dim + d * moe.shared_expert_gate
+    return routed + shared + d * moe.num_experts + 2 * d * moe.latent_dim
+
+
+def _block_params(cfg, kind: str, moe: bool) -> int:
+    """The matmul weights a token goes through in a block of kind `kind` (`moe`: its MLP is the
+    MoE MLP)."""
     d, k = cfg.d_model, cfg.resolved_head_dim
     attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k + cfg.num_heads * k * d
-    moe = cfg.moe
-    routed = moe.experts_per_token * moe.expert_mlp_dim + moe.shared_mlp_dim
-    moe_mlp = 3 * d * routed + d * moe.num_experts + d * moe.shared_expert_gate
     if kind == "mamba":
         return d * cfg.mamba.in_proj_width + cfg.mamba.inner * d
     if kind == "attention":
         return attention
-    if kind == "moe" or (kind == "llama" and is_moe_block(cfg, index)):
-        return moe_mlp + (attention if kind == "llama" else 0)
+    if moe:
+        return _moe_params(cfg) + (attention if kind == "llama" else 0)
     dense = (2 if kind == "mlp" and cfg.mlp_activation == "relu2" else 3) * d * cfg.mlp_dim
     return dense + (attention if kind == "llama" else 0)
 
@@ -122,7 +145,8 @@ def mamba_flops_per_token(cfg) -> float:
 def train_flops_per_token(cfg, *, seq_len: int) -> int:
     """FLOPs of one training step per token (forward and backward), see the module docstring."""
     kinds = block_kinds(cfg)
-    attention_blocks = sum(kind in ("llama", "attention") for kind in kinds)
+    mtp = cfg.mtp.kinds * cfg.mtp.resolved_depths if cfg.mtp.num_layers else ()
+    attention_blocks = sum(kind in ("llama", "attention") for kind in (*kinds, *mtp))
     attention = 6 * attention_blocks * cfg.num_heads * cfg.resolved_head_dim * seq_len
     mamba = 3 * kinds.count("mamba") * mamba_flops_per_token(cfg) if "mamba" in kinds else 0
     return int(6 * matmul_params(cfg) + attention + mamba)

@@ -3,13 +3,14 @@
 `metrics.jsonl` holds one JSON object per line. Training rows carry `step`, `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `step_time_s`, `skipped_steps` (cumulative),
 `model_tflops_per_device` and, on a device whose peak is known, `mfu` (and `mfu_fp4`; see
-`nvfp4_train.model.flops`); rows at evaluation steps also carry `val_loss`; `nvfp4-train eval` appends
-rows with `step`, `val_loss` and `source: "eval"`. A model with MoE blocks adds `aux_loss`,
-`z_loss`, `max_load` and `moe: {block: {load: [share per expert], max_load, dropped, entropy,
-aux_loss, z_loss}}` to its training rows (`summarize_moe`). With `logging.quant_stats_every`, telemetry
-rows `{"step", "quant": {path: {role: {stat: value}}}}` (see `quant_row`; one path per routed
-expert, `expert_path`; a hybrid model's rows add each Mamba block's SSM health, `ssm: {block:
-{dt_min, dt_max, dt_mean, state_norm}}`) sit between them; readers pick rows by the keys they need.
+`nvfp4_train.model.flops`), with MTP layers `mtp_loss` (`training.step`); rows at evaluation
+steps also carry `val_loss`; `nvfp4-train eval` appends rows with `step`, `val_loss` and
+`source: "eval"`. A model with MoE blocks adds `aux_loss`, `z_loss`, `max_load` and `moe:
+{block: {load: [share per expert], max_load, dropped, entropy, aux_loss, z_loss}}` to its
+training rows (`summarize_moe`). With `logging.quant_stats_every`, telemetry rows `{"step",
+"quant": {path: {role: {stat: value}}}}` (see `quant_row`; one path per routed expert,
+`expert_path`; a hybrid model's rows add each Mamba block's SSM health, `ssm: {block: {dt_min,
+dt_max, dt_mean, state_norm}}`) sit between them; readers pick rows by the keys they need.
 
 Example:
     >>> row = summarize_window([{"loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0}],
@@ -74,12 +75,13 @@ def summarize_window(
         skipped_total: non-finite steps skipped since the start of the run.
 
     Returns:
-        The row: mean `loss` and `grad_norm` over the window, the last `lr`, throughput and timing.
+        The row: mean `loss` and `grad_norm` over the window, the last `lr`, throughput and timing;
+        with multi-token prediction (`model.mtp`) the mean `mtp_loss`.
     """
     if not step_metrics:
         raise ValueError("step_metrics must hold at least one step, got none")
     n = len(step_metrics)
-    return {
+    row = {
         "step": int(step),
         "loss": float(sum(m["loss"] for m in step_metrics) / n),
         "lr": float(step_metrics[-1]["lr"]),
@@ -88,6 +90,9 @@ def summarize_window(
         "step_time_s": float(seconds / n),
         "skipped_steps": int(skipped_total),
     }
+    if "mtp_loss" in step_metrics[-1]:
+        row["mtp_loss"] = float(sum(m["mtp_loss"] for m in step_metrics) / n)
+    return row
 
 
 MOE_FIELDS = ("aux_loss", "z_loss", "max_load")
@@ -125,6 +130,7 @@ def summarize_moe(step_metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 _ROW_FIELDS = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("mtp_loss", "mtp", "{:.4f}"),
     ("aux_loss", "aux", "{:.3f}"),
     ("max_load", "load max/mean", "{:.2f}"),
     ("lr", "lr", "{:.2e}"),

@@ -37,6 +37,7 @@ from nvfp4_train.model.blocks.mamba import SSM_STATS
 from nvfp4_train.model.config import ModelConfig
 from nvfp4_train.model.decoder import linear_keys, unstacked
 from nvfp4_train.model.moe.layer import OPERAND_GROUP_SIZES, GroupedLinear
+from nvfp4_train.model.mtp.loss import mtp_loss
 from nvfp4_train.model.structure import linear_order
 from nvfp4_train.observe.health import ROLE_FAMILIES
 from nvfp4_train.observe.quant_rows import EXPERT_TOKENS, expert_path
@@ -132,9 +133,9 @@ def _operands_and_gradients(
     key: jax.Array | None,
     constrain: Callable[[str, jax.Array], jax.Array],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(the captured operands, the gradients of the mean token cross-entropy w.r.t. the zero
-    perturbations at the linears' outputs, the sown intermediates), as pure dicts in the model's
-    module tree."""
+    """(the captured operands, the gradients of the mean token cross-entropy (plus the MTP loss of
+    a model with MTP layers) w.r.t. the zero perturbations at the linears' outputs, the sown
+    intermediates), as pure dicts in the model's module tree."""
     documents = {
         "segment_ids_BxL": batch.get("segment_ids"),
         "positions_BxL": batch.get("positions"),
@@ -146,17 +147,23 @@ def _operands_and_gradients(
             model, LinearOperand, nnx.Perturbation, nnx.Intermediate, init=perturbations
         )
         inputs_BxL = constrain("tokens", batch["inputs"])
-        logits_BxLxV, operands, _, sown = forward(
-            inputs_BxL, key=key, constrain=constrain, **documents
+        output, operands, _, sown = forward(
+            inputs_BxL, key=key, constrain=constrain, mtp=True, **documents
         )
+        logits_BxLxV, depths = output if isinstance(output, tuple) else (output, ())
         logits_BxLxV = constrain("logits", logits_BxLxV)
         losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, batch["targets"])
-        return losses_BxL.mean(), (operands, sown)
+        objective = losses_BxL.mean()
+        if depths:  # the MTP layers' dy: the gradient of the train step's objective
+            factor = model.cfg.mtp.loss_scaling_factor
+            objective += mtp_loss(depths, batch["targets"], documents["segment_ids_BxL"],
+                                  factor).objective  # fmt: skip
+        return objective, (operands, sown)
 
     def zero_perturbations():
         model = _capturing_model(graphdef, params)
         forward = nnx.capture(model, nnx.Perturbation)
-        return forward(batch["inputs"], key=key, **documents)[1]
+        return forward(batch["inputs"], key=key, mtp=True, **documents)[1]
 
     shapes = jax.eval_shape(zero_perturbations)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

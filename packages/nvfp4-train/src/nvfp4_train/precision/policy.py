@@ -239,7 +239,9 @@ def bf16_layer_range(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> 
 
 
 def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> dict[str, str]:
-    """Module path -> recipe name for every linear (see `layer_recipes`)."""
+    """Module path -> recipe name for every linear (see `layer_recipes`). The multi-token
+    prediction layers (`mtp.layers.*`) are BF16 unless an override names them (Megatron-Bridge's
+    `keep_mtp_spec_in_bf16`, set by its Nemotron 3 Super recipes)."""
     first, last = bf16_layer_range(model_cfg, precision_cfg)
     n = model_cfg.num_layers
     names = {}
@@ -247,6 +249,9 @@ def layer_recipe_names(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -
         in_bf16 = i < first or i >= n - last
         for linear in block_linear_names(model_cfg, i):
             names[f"layers.{i}.{linear}"] = BF16_RECIPE if in_bf16 else precision_cfg.recipe
+    names |= dict.fromkeys(
+        (p for p in linear_paths(model_cfg) if p.startswith("mtp.")), BF16_RECIPE
+    )
     quantized = [p for p, name in names.items() if name != BF16_RECIPE]
     for pattern, recipe in map(_parse_override, preset_policy(precision_cfg.preset)):
         names.update(dict.fromkeys(filter(pattern.fullmatch, quantized), recipe))

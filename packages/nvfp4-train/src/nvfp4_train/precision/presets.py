@@ -7,8 +7,9 @@ its NVFP4 models with, and the scaled BF16-blocks rule they build on.
 - "nemotron-3-super": Nemotron 3 Super's mixed policy (Megatron-Bridge's
   `nemotron_3_super_bf16_with_nvfp4_mixed` and its TE quantization config): the Mamba in_proj and
   the MoE experts in `precision.recipe` (NVFP4), the Mamba out_proj in MXFP8, the attention
-  projections in BF16, the last 15% of blocks in BF16 and none of the first; the router computes
-  in FP32 (it always does here).
+  projections and LatentMoE's `fc1_latent_proj` / `fc2_latent_proj` in BF16, the last 15% of
+  blocks in BF16 and none of the first; the router computes in FP32 (it always does here) and the
+  MTP layers stay BF16 (as in every policy: `policy.layer_recipe_names`).
 
 Modules that are not the recipe's linears never quantize, whatever a preset or an override says
 (`NEVER_QUANTIZED`).
@@ -17,7 +18,7 @@ Example:
     >>> preset_bf16_layers("nemotron-3-super", 52), preset_bf16_layers("nvfp4-paper", 62)
     ((0, 8), (2, 8))
     >>> [rule.split("=")[1] for rule in preset_policy("nemotron-3-super")]
-    ['mxfp8', 'bf16']
+    ['mxfp8', 'bf16', 'bf16']
 """
 
 from __future__ import annotations
@@ -64,5 +65,9 @@ def preset_policy(preset: str) -> tuple[str, ...]:
     """The overrides (`"REGEX=RECIPE"`) of `preset`, applied to the blocks the first/last rule
     leaves quantized, before the user's `precision.overrides`."""
     if preset == "nemotron-3-super":
-        return (r"layers\.\d+\.mamba\.out_proj=mxfp8", r"layers\.\d+\.attn\..*=bf16")
+        return (
+            r"layers\.\d+\.mamba\.out_proj=mxfp8",
+            r"layers\.\d+\.attn\..*=bf16",
+            r"layers\.\d+\.mlp\.fc[12]_latent_proj=bf16",
+        )
     return ()

@@ -65,6 +65,7 @@ from nvfp4_train.errors import ConfigError
 from nvfp4_train.mesh.sharding import AXES, BATCH_AXES, check_expert_split, tree_shardings
 from nvfp4_train.model.blocks.attention import cudnn_mask_is_dense, run_attention
 from nvfp4_train.model.config import block_kinds, block_linear_names, is_moe_block
+from nvfp4_train.model.structure import moe_linear_names
 from nvfp4_train.precision.policy import precision_phases
 from nvfp4_train.training.mamba_memory import mamba_block_bytes, relu2_mlp_per_token, scan_buffers
 from nvfp4_train.training.moe_memory import (
@@ -242,7 +243,7 @@ def with_activations(estimate: MemoryEstimate, cfg) -> MemoryEstimate:
 def _largest_routed_buffers(cfg, phases, sizes, tokens: int) -> dict[str, float]:
     """`moe_memory.routed_buffers` of the MoE block and precision phase whose sum is largest
     (empty without MoE blocks)."""
-    names = ("mlp.experts.gate_up", "mlp.experts.down")
+    names = moe_linear_names(cfg.model.moe)[:2]  # the experts' first linear and down
     recipes = {
         tuple(phase.recipes[f"layers.{i}.{name}"] for name in names)
         for phase in phases

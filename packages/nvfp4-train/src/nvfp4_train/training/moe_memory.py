@@ -8,16 +8,19 @@ batch in the static buffer of `expert_layout.local_rows` (R = min(T_g min(k, E_d
 capacity)): every row its experts could take, so the estimate holds however the router
 balances; T is T_l with the all-to-all exchange (`model.moe.dispatch`, the default: it sends
 its own tokens' rows) and T_g with the all-gather one (it gathers the whole batch). By
-`model.remat` (d = d_model, F = expert_mlp_dim, S = the shared experts' width, c =
+`model.remat` (d = d_model, F = expert_mlp_dim, S = the shared experts' width, w = the experts'
+width (d, or the latent l of LatentMoE), g = 2 for SwiGLU experts and 1 for relu2, c =
 compute-dtype bytes, p = 9/16 for a quantized block, else as `memory` says):
 
     full           nothing (the block input is counted with the block)
-    quantized      the grouped GEMMs' FP4 operands R (d + F) p, the shared experts' T_l (d + S) p
-    dots_no_batch  + their outputs R (2F + d) c + T_l (2S + d) c, the router logits T_l E 4
+    quantized      the grouped GEMMs' FP4 operands R (w + F) p, the shared experts' T_l (d + S) p,
+                   LatentMoE's projections' T_l (d + l) p
+    dots_no_batch  + their outputs R (gF + w) c + T_l (gS + d) c + T_l (l + d) c, the router
+                   logits T_l E 4
     dots           as dots_no_batch
-    none           + SwiGLU R 3F c + T_l 3S c, the dispatch buffers (the tokens T d c, the
-                   dispatched rows R d c, the combined float32 output T d 4) and the router
-                   probabilities T_l E 4
+    none           + the activations R (g+1)F c + T_l (g+1)S c, the dispatch buffers (the
+                   gathered tokens T w c, the dispatched rows R w c, the combined float32 output
+                   T w 4) and the router probabilities T_l E 4
 
 in place of a dense MLP's (d + f) p, (2f + d) c and 3f c per token (`dense_mlp_per_token`).
 
@@ -103,6 +106,16 @@ def padded_rows(rows: int, experts: int, alignment: int) -> int:
     return max(1, (rows + experts * (a - 1)) // a) * a
 
 
+def expert_width(cfg) -> int:
+    """w: the routed experts' input and output width (d_model, or LatentMoE's latent)."""
+    return cfg.model.moe.latent_dim or cfg.model.d_model
+
+
+def first_linear_outputs(moe) -> int:
+    """g: the experts' first linear's outputs per hidden unit (2: SwiGLU's gate | up; 1: relu2)."""
+    return 2 if moe.expert_activation == "swiglu" else 1
+
+
 def _gemm_bytes(cfg, recipe, padded: int, experts: int, k_n: tuple[int, int]) -> float:
     """One grouped GEMM's buffers (module doc) for a linear [K, N] of `recipe`."""
     c, (k, n) = jnp.dtype(cfg.model.compute_dtype).itemsize, k_n
@@ -114,13 +127,15 @@ def _gemm_bytes(cfg, recipe, padded: int, experts: int, k_n: tuple[int, int]) ->
 def routed_buffers(cfg, recipes, sizes: dict[str, int], tokens: int) -> dict[str, float]:
     """{buffer: bytes} one device holds at once while one MoE block runs its routed experts
     (module doc), for `tokens` tokens per device and microbatch on a mesh of `sizes`, the
-    block's experts running `recipes` (gate_up's, down's `nvfp4_ops.Recipe`)."""
+    block's experts running `recipes` (the first linear's and down's `nvfp4_ops.Recipe`); D is
+    the experts' width (LatentMoE: the latent)."""
     m, moe = cfg.model, cfg.model.moe
-    c, d, f = jnp.dtype(m.compute_dtype).itemsize, m.d_model, moe.expert_mlp_dim
+    c, f = jnp.dtype(m.compute_dtype).itemsize, moe.expert_mlp_dim
+    d, g = expert_width(cfg), first_linear_outputs(moe)
     k = moe.experts_per_token
     seen, rows = routed_rows(cfg, sizes, tokens)
     experts = device_experts(cfg, sizes)
-    shapes = ((d, 2 * f), (f, d))  # gate_up, down: [K, N]
+    shapes = ((d, g * f), (f, d))  # gate_up (relu2: up), down: [K, N]
     gemm = max(
         _gemm_bytes(cfg, r, padded_rows(rows, experts, r.alignment), experts, shape)
         for r, shape in zip(recipes, shapes, strict=True)
@@ -171,15 +186,17 @@ def moe_mlp_bytes(cfg, quantized: bool, sizes: dict[str, int], tokens: int) -> f
         moe.expert_mlp_dim,
         moe.shared_mlp_dim,
     )
+    w, lat, g = expert_width(cfg), moe.latent_dim, first_linear_outputs(moe)
     seen, rows = routed_rows(cfg, sizes, tokens)
     if remat == "full":
         return 0
     p = _per_element(cfg, quantized)
-    saved = rows * (d + f) * p + (tokens * (d + s) * p if s else 0)
+    saved = rows * (w + f) * p + (tokens * (d + s) * p if s else 0)
+    saved += tokens * (d + lat) * p if lat else 0
     if remat in ("dots_no_batch", "dots", "none"):
-        saved += rows * (2 * f + d) * c + tokens * ((2 * s + d) * c if s else 0)
-        saved += tokens * moe.num_experts * 4
+        saved += rows * (g * f + w) * c + tokens * ((g * s + d) * c if s else 0)
+        saved += tokens * moe.num_experts * 4 + (tokens * (lat + d) * c if lat else 0)
     if remat == "none":
-        saved += rows * 3 * f * c + tokens * 3 * s * c
-        saved += seen * d * c + rows * d * c + seen * d * 4 + tokens * moe.num_experts * 4
+        saved += rows * (g + 1) * f * c + tokens * (g + 1) * s * c
+        saved += seen * w * c + rows * w * c + seen * w * 4 + tokens * moe.num_experts * 4
     return saved

@@ -89,15 +89,20 @@ def _split_microbatches(batch: Batch, accum: int) -> Batch:
 def _accumulated_grads(
     graphdef, params, batch: Batch, key, loss_scale, accum: int, amax0, constrain, moe_cfg
 ):
-    """Mean loss, the gradients of `(mean loss + MoE auxiliary losses) * loss_scale` summed over
-    microbatches, the linears' input amax max-reduced over microbatches (starting from the tree
-    `amax0`), and the MoE statistics (params' layout) and metrics averaged over microbatches."""
+    """Mean loss, the gradients of `(mean loss + MoE auxiliary losses + MTP loss) * loss_scale`
+    summed over microbatches, the linears' input amax max-reduced over microbatches (starting
+    from the tree `amax0`), and the MoE statistics (params' layout) and the MoE and MTP metrics
+    averaged over microbatches. Every term of the objective is float32."""
 
     def scaled_loss(p, micro: Batch, micro_key):
-        loss_sum, count, stats = token_loss_sum(graphdef, p, micro, micro_key, constrain)
+        loss_sum, count, stats = token_loss_sum(graphdef, p, micro, micro_key, constrain, mtp=True)
         loss = loss_sum / count
         objective = loss + auxiliary_objective(moe_cfg, stats.moe_per_layer)
-        moe = (stats.moe, load_metrics(stats.moe_per_layer))
+        metrics = load_metrics(stats.moe_per_layer)
+        if stats.mtp is not None:  # float32: the MTP loss and the gradient it sends back
+            objective = objective + stats.mtp.objective
+            metrics["mtp_loss"] = jnp.mean(stats.mtp.depth_losses)
+        moe = (stats.moe, metrics)
         return objective * loss_scale / accum, (loss / accum, stats.amax, moe)
 
     def body(carry, xs):
@@ -111,7 +116,7 @@ def _accumulated_grads(
 
     micro_batches = _split_microbatches(batch, accum)
     moe0 = ({}, {})
-    if moe_cfg.num_experts:  # the MoE statistics' tree, traced once more (shapes only)
+    if moe_cfg.num_experts or _has_mtp(graphdef, params):  # the metrics' tree (shapes only)
         first = jax.tree.map(lambda x: x[0], micro_batches)
         shapes = jax.eval_shape(lambda: scaled_loss(params, first, key)[1][2])
         moe0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -119,6 +124,11 @@ def _accumulated_grads(
     xs = (jnp.arange(accum), micro_batches)
     (loss, grads, amax, moe), _ = jax.lax.scan(body, zeros, xs)
     return loss, grads, amax, moe
+
+
+def _has_mtp(graphdef: nnx.GraphDef, params) -> bool:
+    """Whether the model of `graphdef` has multi-token prediction layers (`model.mtp`)."""
+    return nnx.merge(graphdef, params).cfg.mtp.num_layers > 0
 
 
 def _updated_amax(running, step_amax, skipped: jax.Array):
@@ -165,7 +175,9 @@ def make_train_step(
     norm of the unscaled, unclipped gradients), `lr`, `skipped` (1 if this update was skipped as
     non-finite), `skipped_total`, `loss_scale` (1.0 without dynamic loss scaling); with MoE
     blocks also `aux_loss`, `z_loss`, `max_load` and per block `moe` (`moe_stats.load_metrics`,
-    averaged over the microbatches).
+    averaged over the microbatches); with MTP layers (`model.mtp`) `mtp_loss`, the mean over
+    the depths of each depth's token cross-entropy (unscaled; the objective adds it times
+    `loss_scaling_factor`), float32.
     """
     accum = grad_accum_steps
     if accum < 1:

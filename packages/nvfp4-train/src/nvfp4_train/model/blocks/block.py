@@ -23,7 +23,7 @@ from nvfp4_train.model.moe.layer import MoEMLP
 
 class Block(nnx.Module):
     """One Llama-style block; its linears' SR keys are `keys[0:2]` (attention), then `keys[2:4]`
-    (dense MLP) or `keys[2:6]` (MoE: experts' gate_up and down, shared gate_up and down)."""
+    (dense MLP) or `keys[2:]` (MoE: `structure.moe_linear_names` order)."""
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs,
                  backend: str | tuple[str, ...] = "auto"):  # fmt: skip
@@ -53,14 +53,16 @@ MIXER_ATTRIBUTES = {"mamba": "mamba", "attention": "attn", "mlp": "mlp", "moe": 
 class MixerBlock(nnx.Module):
     """One hybrid block, `x + mixer(norm(x))`: `norm` and one of `mamba` (Mamba-2), `attn`
     (attention), `mlp` (SwiGLU, squared-ReLU or MoE MLP); its linears' SR keys are `keys[0:]` in
-    `config.MIXER_LINEAR_NAMES` order."""
+    `structure.mixer_linear_names` order. `kind` and `path` (default: block `index`'s kind and
+    `layers.{index}`) build it elsewhere, e.g. as an MTP layer."""
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], index: int, *, rngs: nnx.Rngs,
-                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
-        kind = block_kinds(cfg)[index]
+                 backend: str | tuple[str, ...] = "auto", kind: str = "",
+                 path: str = ""):  # fmt: skip
+        kind = kind or block_kinds(cfg)[index]
         self.kind = kind
         self.norm = RMSNorm(cfg.d_model, eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype)
-        prefix = f"layers.{index}.{MIXER_ATTRIBUTES[kind]}"
+        prefix = f"{path or f'layers.{index}'}.{MIXER_ATTRIBUTES[kind]}"
         if kind == "mamba":
             self.mamba = Mamba2Mixer(cfg, recipes, prefix, rngs=rngs, backend=backend)
         elif kind == "attention":

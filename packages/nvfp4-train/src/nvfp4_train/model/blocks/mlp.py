@@ -48,17 +48,19 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
 
 class Relu2MLP(nnx.Module):
     """Nemotron-H's MLP, `down(relu(up x)^2)`: `up.kernel` [d_model, mlp_dim], `down.kernel`
-    [mlp_dim, d_model]; the activation in float32."""
+    [mlp_dim, d_model]; the activation in float32. Nemotron 3's shared experts are one."""
 
     def __init__(self, cfg, recipes: dict[str, nvfp4_ops.Recipe], prefix: str, *, rngs: nnx.Rngs,
-                 backend: str | tuple[str, ...] = "auto"):  # fmt: skip
+                 backend: str | tuple[str, ...] = "auto", hidden: int = 0):  # fmt: skip
+        """`hidden`: the hidden width (0: `cfg.mlp_dim`; MoE shared experts set their own)."""
         dtype, out_std = cfg.compute_dtype, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        hidden = hidden or cfg.mlp_dim
         self.up = QuantLinear(
-            cfg.d_model, cfg.mlp_dim, recipe=recipes[f"{prefix}.up"], init_std=cfg.init_std,
+            cfg.d_model, hidden, recipe=recipes[f"{prefix}.up"], init_std=cfg.init_std,
             dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
         self.down = QuantLinear(
-            cfg.mlp_dim, cfg.d_model, recipe=recipes[f"{prefix}.down"], init_std=out_std,
+            hidden, cfg.d_model, recipe=recipes[f"{prefix}.down"], init_std=out_std,
             dtype=dtype, rngs=rngs, backend=backend,
         )  # fmt: skip
 

@@ -58,7 +58,24 @@ class MoEConfig:
             the router scores for choosing the top-k only (not to the weights), moved by this
             rate towards the mean load after every applied step (`+rate` for an expert under the
             mean, `-rate` over it); 0: no bias. The bias is saved with the parameters, never
-            trained by the optimizer and restored exactly on resume.
+            trained by the optimizer and restored exactly on resume. A sigmoid router always
+            adds it (Nemotron 3's `e_score_correction_bias`; zero unless trained or imported).
+        router: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3, Nemotron 3: per-expert
+            sigmoid scores in float32; the weights are the chosen scores, divided by their sum
+            with `norm_topk_prob`).
+        n_group: DeepSeek-V3's grouped top-k: the experts form `n_group` equal groups, each
+            scored by the sum of its two best (bias-corrected) scores; only the `topk_group`
+            best groups are searched for the top-k. 1: no grouping.
+        topk_group: how many groups are searched (`<= n_group`).
+        routed_scaling_factor: the routed experts' weights are multiplied by it (Nemotron 3
+            Nano 2.5, Super 5.0).
+        expert_activation: "swiglu" (gated: `experts.gate_up`, `shared.gate_up`) or "relu2"
+            (Nemotron 3's non-gated `down(relu(up x)^2)`: `experts.up`, `shared.up`), for the
+            routed and the shared experts.
+        latent_dim: LatentMoE (Nemotron 3 Super, Ultra): the routed experts run in a latent of
+            this width, `fc1_latent_proj` [d_model, latent_dim] before them and
+            `fc2_latent_proj` [latent_dim, d_model] after the combine; the router and the shared
+            experts see the full d_model. 0: none. A multiple of 16.
         dispatch: how expert parallelism (`mesh.expert` > 1) moves the tokens to their experts'
             devices: `all_to_all` (default; ragged all-to-all of each assignment's row, O(k T_l
             d) per device; the routed experts compute one device's bits) or `all_gather`
@@ -82,6 +99,12 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
     dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_activation: Literal["swiglu", "relu2"] = "swiglu"
+    latent_dim: int = 0
 
     def __post_init__(self) -> None:
         _check(self.num_experts >= 0, "num_experts", ">= 0 (0: a dense model)", self.num_experts)
@@ -111,11 +134,34 @@ class MoEConfig:
         _check(not self.shared_expert_gate or self.shared_experts > 0, "shared_expert_gate",
                "false without shared experts (shared_experts=0)",
                self.shared_expert_gate)  # fmt: skip
+        _check_nemotron_keys(self)
 
     @property
     def shared_mlp_dim(self) -> int:
         """The hidden width of the shared experts together (0: none)."""
         return self.shared_experts * (self.shared_expert_mlp_dim or self.expert_mlp_dim)
+
+
+def _check_nemotron_keys(moe: MoEConfig) -> None:
+    """Raises ValueError naming the first of the router / expert keys out of range."""
+    _check(moe.router in ("softmax", "sigmoid"), "router", "'softmax' or 'sigmoid'", moe.router)
+    _check(moe.expert_activation in ("swiglu", "relu2"), "expert_activation",
+           "'swiglu' or 'relu2'", moe.expert_activation)  # fmt: skip
+    _check(moe.n_group >= 1 and moe.num_experts % moe.n_group == 0, "n_group",
+           f"a divisor of num_experts={moe.num_experts}", moe.n_group)  # fmt: skip
+    group = moe.num_experts // moe.n_group
+    _check(moe.n_group == 1 or group >= 2, "n_group",
+           "1, or leave >= 2 experts per group (a group scores its two best)",
+           moe.n_group)  # fmt: skip
+    _check(1 <= moe.topk_group <= moe.n_group, "topk_group", f"in [1, n_group={moe.n_group}]",
+           moe.topk_group)  # fmt: skip
+    _check(moe.experts_per_token <= moe.topk_group * group, "experts_per_token",
+           f"<= topk_group * experts per group = {moe.topk_group * group}",
+           moe.experts_per_token)  # fmt: skip
+    _check(math.isfinite(moe.routed_scaling_factor) and moe.routed_scaling_factor > 0,
+           "routed_scaling_factor", "a finite number > 0", moe.routed_scaling_factor)  # fmt: skip
+    _check(moe.latent_dim >= 0 and moe.latent_dim % 16 == 0, "latent_dim",
+           "0 (none) or a multiple of 16 (NVFP4 blocks are 16 wide)", moe.latent_dim)  # fmt: skip
 
 
 def is_moe_layer(moe: MoEConfig, index: int) -> bool:
@@ -158,6 +204,12 @@ one gated shared expert besides the routed ones. No class has DeepSeek-V3's rout
 first dense blocks (a Qwen class spells those as `mlp_only_layers`: use `dense_layers`).
 nvfp4-export repeats this table (`nvfp4_export.moe_spec.MOE_ARCHITECTURES`);
 integration_tests/test_policy_agreement.py keeps the two equal."""
+NEMOTRON_MOE_KEYS = {"router": ("softmax",), "n_group": (1,), "topk_group": (1,),
+                     "routed_scaling_factor": (1.0,), "expert_activation": ("swiglu",),
+                     "latent_dim": (0,)}  # fmt: skip
+"""The `model.moe` keys of Nemotron 3's MoE (sigmoid router, grouped top-k, scaled weights,
+squared-ReLU and latent experts) and the one value each that the classes of `MOE_ARCHITECTURES`
+build (none of them has these features; `check_moe_architecture` refuses the others)."""
 
 
 def check_moe_architecture(architecture: str, moe: MoEConfig) -> None:
@@ -180,7 +232,7 @@ def check_moe_architecture(architecture: str, moe: MoEConfig) -> None:
             f"model.architecture={architecture!r} is a Mixture-of-Experts class and needs "
             "model.moe.num_experts > 0, got 0"
         )
-    for key, allowed in rules.items():
+    for key, allowed in (rules | NEMOTRON_MOE_KEYS).items():
         value = getattr(moe, key)
         if value not in allowed:
             raise ValueError(

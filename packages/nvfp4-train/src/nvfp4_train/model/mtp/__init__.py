@@ -1,0 +1,2 @@
+"""Multi-token prediction: its config (`mtp.config`), its layers (`mtp.layers`), its loss
+(`mtp.loss`)."""
