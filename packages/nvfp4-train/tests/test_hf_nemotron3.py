@@ -211,3 +211,17 @@ def test_bad_moe_checkpoints_are_named_before_reading(tmp_path):
         with pytest.raises(HFImportError, match=message) as e:
             _load(write_model(tmp_path / case, NH3, bad), mtp={"num_layers": 1})
         assert "\n" not in str(e.value), case
+
+
+def test_the_nemotron_3_example_loads_with_a_nemotron_3(tmp_path):
+    from pathlib import Path
+
+    from nvfp4_train.config.run_config import load_config
+
+    model_dir = _config(tmp_path / "m", max_position_embeddings=4096)
+    example = Path(__file__).resolve().parents[3] / "examples/configs/nemotron-3-from-hf.yaml"
+    cfg = load_config(example, [f"model.init_from={model_dir}"])
+    assert (cfg.model.pattern, cfg.model.moe.router, cfg.model.mtp.num_layers) == (
+        PATTERN, "sigmoid", 0,
+    )  # fmt: skip
+    assert cfg.model.moe.bias_update_rate == 0.001 and cfg.data.tokenizer_path == str(model_dir)
