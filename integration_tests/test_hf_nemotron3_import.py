@@ -58,11 +58,12 @@ def _changed_choices(model, tokens: np.ndarray) -> float:
 
 def test_nemotron3_logits_match_transformers(nemotron3_case):
     import jax.numpy as jnp
+    import safetensors
 
     from nvfp4_train.training.step import forward
 
     case, model_dir, model = nemotron3_case
-    names = set(__import__("safetensors").safe_open(model_dir / "model.safetensors", "np").keys())
+    names = set(safetensors.safe_open(model_dir / "model.safetensors", "np").keys())
     hub = not case.endswith("-library")
     assert ("backbone.layers.1.mixer.experts.7.up_proj.weight" in names) == hub
     assert ("model.layers.1.mixer.experts.up_proj" in names) == (not hub)
