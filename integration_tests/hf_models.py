@@ -3,7 +3,8 @@
 Each case is a transformers config class and its keyword arguments: the architectures and options
 `model.init_from` accepts (Llama 2/3, Llama 3.2 with llama3 RoPE scaling and tied embeddings,
 attention biases, Mistral, Qwen 2 with q/k/v biases, Qwen 3 with q/k norms; the MoE classes;
-Nemotron-H with Mamba-2, squared-ReLU MLP and attention blocks). Every parameter,
+Nemotron-H with Mamba-2, squared-ReLU MLP and attention blocks; Nemotron 3 with its MoE blocks).
+Every parameter,
 norms and biases included, is drawn at random, so a norm or bias read into the wrong place shows.
 The tokenizer is a byte-level BPE trained on `TEXT` with the `<|endoftext|>` end-of-text token.
 """
@@ -78,7 +79,24 @@ NEMOTRON_H_CASES = {
 16; dt clipped to [0.4, 1.0], which binds for the random weights): `nemotron_h` as the Hub holds
 it (`backbone.*`, config.json rewritten in the legacy form, `legacy_nemotron_h_config`),
 `-library` in transformers' own layout (`model.*`) and config.json as transformers 5 writes it."""
-ALL_CASES = {**CASES, **MOE_CASES, **NEMOTRON_H_CASES}
+_NEMOTRON3 = dict(
+    {k: v for k, v in _NEMOTRON_H.items() if k != "time_step_limit"},
+    layers_block_type=["mamba", "moe", "attention", "moe"], n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+    n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+)  # fmt: skip
+NEMOTRON3_CASES = {
+    "nemotron3": ("NemotronHConfig", _NEMOTRON3),
+    "nemotron3-library": ("NemotronHConfig", _NEMOTRON3),
+    "nemotron3-latent": ("NemotronHConfig", {**_NEMOTRON3, "moe_latent_size": 32}),
+    "nemotron3-latent-library": ("NemotronHConfig", {**_NEMOTRON3, "moe_latent_size": 32}),
+}
+"""Nemotron 3 (4 blocks M E * E, d_model 64; 8 sigmoid-routed squared-ReLU experts of 32 in 4
+groups, the best 2 groups searched, top-2 scaled by 2.5, one shared expert of 48; a random
+`e_score_correction_bias`): Nano-style, and Super-style with LatentMoE (`-latent`, latent 32);
+each as the Hub holds it (`backbone.*`, experts one by one, legacy config.json) and in
+transformers' layout (`-library`: `model.*`, experts stacked [E, F, W] / [E, W, F])."""
+ALL_CASES = {**CASES, **MOE_CASES, **NEMOTRON_H_CASES, **NEMOTRON3_CASES}
 ARCHITECTURE = {
     case: {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "nemotronh": "nemotron_h"}.get(
         name, name
@@ -112,7 +130,8 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
 
     class_name, options = ALL_CASES[case]
     options = copy.deepcopy(options)  # transformers writes rope_theta into a rope_scaling dict
-    shape = _MOE_SHAPE if case in MOE_CASES else {} if case in NEMOTRON_H_CASES else _SHAPE
+    nemotron = class_name == "NemotronHConfig"
+    shape = _MOE_SHAPE if case in MOE_CASES else {} if nemotron else _SHAPE
     config = getattr(transformers, class_name)(**shape, **options)
     tok = tokenizer()
     config.eos_token_id = config.bos_token_id = tok.token_to_id(EOS)
@@ -124,13 +143,18 @@ def make_model(case: str, out_dir: Path, *, seed: int = 0):
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             elif name.endswith("bias"):
                 param.copy_(0.1 * torch.randn_like(param))
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            elif name.endswith(
+                ("mlp.gate.weight", "shared_expert_gate.weight", "mixer.gate.weight")
+            ):
                 param.copy_(0.5 * torch.randn_like(param))  # decisive routing: few near-ties
             else:
                 param.copy_(0.08 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # changes which experts are chosen
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(out_dir, save_original_format=not case.endswith(("-fused", "-library")))
     tok.save(str(out_dir / "tokenizer.json"))
-    if case == "nemotron_h":
+    if nemotron and not case.endswith("-library"):
         legacy_nemotron_h_config(out_dir / "config.json")
     return model
 

@@ -128,9 +128,8 @@ def test_both_config_forms_give_the_same_section():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"layers_block_type": ["mamba", "moe", "mamba", "moe"]},
-     r"Nemotron 3 MoE import is not yet supported: blocks \[1, 3\] of 'MEME'"),
-    ({"hybrid_override_pattern": "M-*E", "layers_block_type": None}, r"blocks \[3\]"),
+    ({"hybrid_override_pattern": "M-*E", "layers_block_type": None, "n_shared_experts": 0},
+     "n_shared_experts=0 is not supported for nemotron_h"),
     ({"hybrid_override_pattern": "M-*-", "layers_block_type": None, "num_hidden_layers": 6},
      "num_hidden_layers=6 but its pattern 'M-\\*-' has 4 blocks"),
     ({"hybrid_override_pattern": "M-M-M"}, "gives hybrid_override_pattern='M-M-M' and "

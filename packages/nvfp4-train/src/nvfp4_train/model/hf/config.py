@@ -33,7 +33,7 @@ from nvfp4_train.model.hf.moe import (
 )
 from nvfp4_train.model.hf.nemotron_h import (
     NEMOTRON_H,
-    merge_mamba,
+    merge_nemotron_h,
     nemotron_h_section,
     unsupported_relative,
 )
@@ -51,7 +51,8 @@ _NOT_LLAMA_OPTIONS = {
 """Hugging Face options whose only supported value is the one given (a different one is refused)."""
 
 IMPORTED_ARCHITECTURES = ARCHITECTURES
-"""The `model_type`s `model.init_from` imports (nemotron_h: `hf.nemotron_h`, dense blocks)."""
+"""The `model_type`s `model.init_from` imports (nemotron_h: `hf.nemotron_h`, Nemotron-H and
+Nemotron 3 with its MoE blocks and MTP layers)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -266,12 +267,12 @@ def fill_model_section(model: Mapping[str, Any]) -> dict[str, Any]:
     disagree = [
         f"model.{k}={model[k]!r} but {model_dir}/{CONFIG_FILE} gives {v!r}"
         for k, v in section.items()
-        if k in model and k not in ("moe", "mamba") and not _agrees(k, model[k], v, section)
+        if k in model and k not in ("moe", "mamba", "mtp") and not _agrees(k, model[k], v, section)
     ]
     if disagree:
         raise HFConfigError("model.init_from: " + "; ".join(disagree))
-    if "mamba" in section:
-        section["mamba"] = merge_mamba(model.get("mamba"), section["mamba"], str(model_dir))
+    if section["architecture"] == NEMOTRON_H:
+        section = merge_nemotron_h(model, section, str(model_dir))
     if "moe" in section:
         section["moe"] = merge_moe(model.get("moe"), section["moe"], str(model_dir))
     elif (model.get("moe") or {}).get("num_experts"):

@@ -147,9 +147,11 @@ def moe_section(hf: Mapping[str, Any]) -> dict[str, Any]:
 STRUCTURE_KEYS = (
     "num_experts", "experts_per_token", "expert_mlp_dim", "norm_topk_prob", "layer_freq",
     "dense_layers", "first_dense_layers", "shared_experts", "shared_expert_mlp_dim",
-    "shared_expert_gate",
+    "shared_expert_gate", "router", "n_group", "topk_group", "routed_scaling_factor",
+    "expert_activation", "latent_dim",
 )  # fmt: skip
-"""`model.moe` keys the checkpoint fixes: a value the user wrote must agree. The others
+"""`model.moe` keys the checkpoint fixes (Nemotron 3's router and experts included,
+`hf.nemotron_h_moe`): a value the user wrote must agree. The others
 (`aux_loss_coef`, `z_loss_coef`, `capacity_factor`, `bias_update_rate`) are training settings: the
 checkpoint's are defaults the user may change."""
 
@@ -189,6 +191,18 @@ def is_fused(kind: str, i: int, names: Collection[str]) -> bool:
     return _expert_prefix(kind, i, True) + "experts.gate_up_proj" in names
 
 
+def stacked_experts(name: str, rows: int, count: int) -> ExpertSources:
+    """The `count` entries of a stacked HF tensor [E, rows, in] (transformers 5's in-memory
+    experts), each read transposed as one expert's [in, rows] kernel."""
+    return ExpertSources(tuple(Source(((name, rows),), True, e) for e in range(count)))
+
+
+def per_expert(parts: Callable[[int], tuple[tuple[str, int], ...]], count: int) -> ExpertSources:
+    """One expert's kernel per index e < `count` from its own [out, in] HF tensors `parts(e)`
+    (concatenated along the kernel's last axis), as the Hub stores experts."""
+    return ExpertSources(tuple(Source(parts(e), True) for e in range(count)))
+
+
 def moe_sources(cfg, i: int, names: Collection[str]) -> dict[str, Source | ExpertSources]:
     """The sources of MoE block `i`'s MLP parameters (relative to `layers.{i}.`), read from the
     layout `names` (the checkpoint's tensor names) holds."""
@@ -198,21 +212,19 @@ def moe_sources(cfg, i: int, names: Collection[str]) -> dict[str, Source | Exper
     router_prefix = _expert_prefix(kind, i, fused)
     if fused:
         p = _expert_prefix(kind, i, True) + "experts."
-        gate_up = [Source(((p + "gate_up_proj", 2 * f),), True, e) for e in range(e_count)]
-        down = [Source(((p + "down_proj", d),), True, e) for e in range(e_count)]
+        gate_up = stacked_experts(p + "gate_up_proj", 2 * f, e_count)
+        down = stacked_experts(p + "down_proj", d, e_count)
     else:
         g, u, dn = EXPERT_NAMES[kind]
         p = _expert_prefix(kind, i, False) + "experts."
-        gate_up = [
-            Source(((f"{p}{e}.{g}.weight", f), (f"{p}{e}.{u}.weight", f)), True)
-            for e in range(e_count)
-        ]
-        down = [Source(((f"{p}{e}.{dn}.weight", d),), True) for e in range(e_count)]
+        gate_up = per_expert(lambda e: ((f"{p}{e}.{g}.weight", f), (f"{p}{e}.{u}.weight", f)),
+                             e_count)  # fmt: skip
+        down = per_expert(lambda e: ((f"{p}{e}.{dn}.weight", d),), e_count)
     out: dict[str, Source | ExpertSources] = {
         "mlp.router.kernel": Source(((router_prefix + "gate.weight", e_count),), True),
         "mlp.router.score_bias": ZEROS,
-        "mlp.experts.gate_up.kernel": ExpertSources(tuple(gate_up)),
-        "mlp.experts.down.kernel": ExpertSources(tuple(down)),
+        "mlp.experts.gate_up.kernel": gate_up,
+        "mlp.experts.down.kernel": down,
     }
     if moe.shared_experts:
         s, sp = moe.shared_mlp_dim, router_prefix + "shared_expert."
@@ -230,14 +242,12 @@ _EXPERT_INDEX = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.ex
 
 
 def check_experts(cfg, names: Collection[str], shape_of: Callable[[str], tuple[int, ...]]) -> None:
-    """One-line errors for an MoE checkpoint whose experts disagree with its config, before any
-    weight is read: a missing expert, an expert past `num_experts`, a router whose expert count
-    disagrees (shapes of single tensors are checked by the reader, naming the tensor).
+    """One-line errors for an MoE checkpoint (`MOE_MODEL_TYPES`) whose experts disagree with its
+    config, before any weight is read (`check_block_experts` for each MoE block).
 
     Raises:
         HFImportError: naming the block, the expert and the config's `num_experts`.
     """
-    moe = cfg.moe
     if cfg.architecture not in MOE_MODEL_TYPES:
         return
     found: dict[int, set[int]] = {}
@@ -245,28 +255,47 @@ def check_experts(cfg, names: Collection[str], shape_of: Callable[[str], tuple[i
         match = _EXPERT_INDEX.match(name)
         if match:
             found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
-    expected = set(range(moe.num_experts))
     for i in range(cfg.num_layers):
-        if not is_moe_layer(moe, i):
+        if not is_moe_layer(cfg.moe, i):
             continue
         fused = is_fused(cfg.architecture, i, names)
-        router = _expert_prefix(cfg.architecture, i, fused) + "gate.weight"
-        if router in names and shape_of(router)[0] != moe.num_experts:
+        prefix = _expert_prefix(cfg.architecture, i, fused)
+        check_block_experts(f"layer {i}", prefix + "gate.weight", found.get(i, set()),
+                            cfg.moe.num_experts, names, shape_of,
+                            stacked=prefix + "experts.gate_up_proj" if fused else None)  # fmt: skip
+
+
+def check_block_experts(
+    block: str, router: str, have: Collection[int], num_experts: int, names: Collection[str],
+    shape_of: Callable[[str], tuple[int, ...]], *, stacked: str | None = None,
+    key: str = "num_experts",
+) -> None:  # fmt: skip
+    """One-line errors for one MoE block (`block`, as the errors name it) whose experts disagree
+    with config.json's `key` (`num_experts`): a router (`router`, [E, D]) or a stacked expert
+    tensor (`stacked`, [E, ...]: then `have` is ignored) for another count, or per-expert tensors
+    (`have`: the expert indices found) with an expert missing or past the count. Shapes of single
+    tensors are checked by the reader, naming the tensor.
+
+    Raises:
+        HFImportError: naming the block, the expert and the count.
+    """
+    for name, what in ((router, "routes to"), (stacked, "stacks")):
+        if name is not None and name in names and shape_of(name)[0] != num_experts:
             raise HFImportError(
-                f"model.init_from: {router} routes to {shape_of(router)[0]} experts, but "
-                f"config.json gives num_experts={moe.num_experts}"
+                f"model.init_from: {name} {what} {shape_of(name)[0]} experts, but config.json "
+                f"gives {key}={num_experts}"
             )
-        if fused:
-            continue
-        have = found.get(i, set())
-        if have - expected:
-            raise HFImportError(
-                f"model.init_from: layer {i} holds expert {max(have - expected)}, beyond "
-                f"config.json's num_experts={moe.num_experts} (experts 0..{moe.num_experts - 1})"
-            )
-        if expected - have:
-            missing = sorted(expected - have)
-            raise HFImportError(
-                f"model.init_from: layer {i} lacks expert {missing[0]} (missing experts "
-                f"{missing[:8]} of num_experts={moe.num_experts})"
-            )
+    if stacked is not None:
+        return
+    expected, have = set(range(num_experts)), set(have)
+    if have - expected:
+        raise HFImportError(
+            f"model.init_from: {block} holds expert {max(have - expected)}, beyond config.json's "
+            f"{key}={num_experts} (experts 0..{num_experts - 1})"
+        )
+    if expected - have:
+        missing = sorted(expected - have)
+        raise HFImportError(
+            f"model.init_from: {block} lacks expert {missing[0]} (missing experts "
+            f"{missing[:8]} of {key}={num_experts})"
+        )

@@ -8,8 +8,9 @@ letters with `num_hidden_layers`, and the `mamba_*` aliases of `LEGACY_KEYS`); a
 ways must agree. A key absent takes the default of transformers' `NemotronHConfig` (the tensors'
 shapes are checked against the result).
 Options the trainer does not compute are refused by name, and so are the hybrid relatives
-(`HYBRID_RELATIVES`: Mamba-1, Jamba, Falcon-H1, Zamba, ...). Nemotron 3's MoE blocks (`E`) are
-refused for now, naming the blocks: their router and experts are another block's import.
+(`HYBRID_RELATIVES`: Mamba-1, Jamba, Falcon-H1, Zamba, ...). Nemotron 3's MoE blocks (`E`) give
+`model.moe` (`hf.nemotron_h_moe`); its multi-token prediction layers (`num_nextn_predict_layers`,
+`mtp_layers_block_type`) give `model.mtp` when the run turns MTP on (`merge_mtp`).
 
 Example:
     >>> section, _ = nemotron_h_section({"model_type": "nemotron_h", "vocab_size": 256,
@@ -27,6 +28,7 @@ from typing import Any
 
 from nvfp4_train.model.blocks.mamba_config import MambaConfig
 from nvfp4_train.model.hf.errors import HFConfigError
+from nvfp4_train.model.hf.nemotron_h_moe import nemotron_moe_section
 from nvfp4_train.model.hf.values import json_float, whole_number
 from nvfp4_train.model.pattern import LETTERS
 
@@ -38,6 +40,7 @@ LEGACY_KEYS = {
     "mamba_conv_bias": "use_conv_bias", "mamba_chunk_size": "chunk_size",
     "hybrid_override_pattern": "layers_block_type", "layer_types": "layers_block_type",
     "attention_head_dim": "head_dim", "mtp_hybrid_override_pattern": "mtp_layers_block_type",
+    "num_local_experts": "n_routed_experts",
 }  # fmt: skip
 """A legacy config.json key -> transformers 5's name (`NemotronHConfig.__post_init__` and its
 `attribute_map`; `attention_head_dim` as vLLM reads NVIDIA's remote-code configs)."""
@@ -130,8 +133,7 @@ def block_letters(blocks: Any, key: str) -> str:
 
 
 def _pattern(hf: Mapping[str, Any]) -> str:
-    """The checkpoint's blocks as letters; a declared `num_hidden_layers` must count them, and
-    MoE blocks are refused (naming them)."""
+    """The checkpoint's blocks as letters; a declared `num_hidden_layers` must count them."""
     if "layers_block_type" not in hf:
         raise _fail(
             "config.json lacks 'layers_block_type' (or the legacy 'hybrid_override_pattern')"
@@ -143,13 +145,17 @@ def _pattern(hf: Mapping[str, Any]) -> str:
             f"config.json's num_hidden_layers={declared!r} but its pattern {letters!r} has "
             f"{len(letters)} blocks"
         )
-    moe = [i for i, letter in enumerate(letters) if letter == "E"]
-    if moe:
-        raise _fail(
-            f"Nemotron 3 MoE import is not yet supported: blocks {moe} of {letters!r} are MoE (E); "
-            "dense Nemotron-H checkpoints (M, *, - blocks) import"
-        )
     return letters
+
+
+def _mtp(hf: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's MTP layers as `model.mtp` keys (None without any): `num_layers` from
+    `num_nextn_predict_layers`, `pattern` from `mtp_layers_block_type` (default "*E")."""
+    layers = whole_number(hf, "num_nextn_predict_layers", 0)
+    if not layers:
+        return None
+    blocks = hf.get("mtp_layers_block_type") or ["full_attention", "moe"]
+    return {"num_layers": layers, "pattern": block_letters(blocks, "mtp_layers_block_type")}
 
 
 def _time_step_limit(hf: Mapping[str, Any]) -> list[float]:
@@ -182,10 +188,12 @@ def _mamba(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def nemotron_h_section(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
-    """(the `model:` keys a Nemotron-H config.json fixes, its max_position_embeddings).
+    """(the `model:` keys a Nemotron-H config.json fixes, its max_position_embeddings): with
+    `moe` when a block or an MTP layer is MoE (`E`), with `mtp` when it has MTP layers (the run
+    keeps them only if it asks for MTP: `merge_nemotron_h`).
 
     Raises:
-        HFConfigError: a missing or malformed key, a refused option, MoE blocks.
+        HFConfigError: a missing or malformed key, a refused option.
     """
     hf = current_keys(hf)
     for key, supported in _ONLY.items():
@@ -209,6 +217,11 @@ def nemotron_h_section(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
             "tie_embeddings": False, "qkv_bias": False, "o_bias": False, "qk_norm": False,
             "rope": False, "mlp_activation": "relu2", "mamba": _mamba(hf),
         }  # fmt: skip
+        mtp = _mtp(hf)
+        if mtp is not None:
+            section["mtp"] = mtp
+        if "E" in pattern + (mtp or {}).get("pattern", ""):
+            section["moe"] = nemotron_moe_section(hf)
         limit = whole_number(hf, "max_position_embeddings", 4096)
     except HFConfigError:
         raise
@@ -235,3 +248,46 @@ def merge_mamba(user: Any, checkpoint: Mapping[str, Any], model_dir: str) -> dic
     if disagree:
         raise _fail("; ".join(disagree))
     return {**checkpoint, **user}
+
+
+def merge_mtp(user: Any, checkpoint: Mapping[str, Any] | None, model_dir: str) -> dict | None:
+    """The run's `model.mtp`: off (the user's keys, or None) unless the user asks for MTP layers
+    (`model.mtp.num_layers > 0`); then the checkpoint's layers and pattern, with the user's
+    training keys (`depths`, `loss_scaling_factor`).
+
+    Raises:
+        HFConfigError: MTP asked of a checkpoint without MTP layers, or a `num_layers` /
+            `pattern` the user wrote that disagrees with the checkpoint's.
+    """
+    user = dict(user or {})
+    if not user.get("num_layers"):
+        return user or None
+    if checkpoint is None:
+        raise _fail(
+            f"model.mtp.num_layers={user['num_layers']!r} but {model_dir}/config.json has no MTP "
+            "layers (num_nextn_predict_layers=0); the import loads MTP layers, it does not add new "
+            "ones: leave model.mtp out"
+        )
+    disagree = [
+        f"model.mtp.{k}={user[k]!r} but {model_dir}/config.json gives {checkpoint[k]!r}"
+        for k in ("num_layers", "pattern")
+        if k in user and user[k] != checkpoint[k]
+    ]
+    if disagree:
+        raise _fail("; ".join(disagree))
+    return {**checkpoint, **user}
+
+
+def merge_nemotron_h(model: Mapping[str, Any], section: dict[str, Any], model_dir: str) -> dict:
+    """`section` (`nemotron_h_section`'s) with the user's `model.mamba` and `model.mtp` merged
+    (`merge_mamba`, `merge_mtp`), and without `moe` when only the MTP layers were MoE and the
+    run leaves MTP off."""
+    section = dict(section)
+    section["mamba"] = merge_mamba(model.get("mamba"), section["mamba"], model_dir)
+    mtp = merge_mtp(model.get("mtp"), section.pop("mtp", None), model_dir)
+    if mtp is not None:
+        section["mtp"] = mtp
+    on = mtp is not None and mtp.get("num_layers")
+    if "E" not in section["pattern"] + (mtp["pattern"] if on else ""):
+        section.pop("moe", None)
+    return section
